@@ -1,0 +1,177 @@
+"""Typed settings read from ``PIPELINE_*`` environment variables.
+
+Settings are read when a process asks for them (:func:`get_settings`), never at
+import time, so tests and embedding applications can pass their own
+:class:`Settings`. Secrets (passwords in URLs) never appear in error messages or
+``repr``: use :func:`redact_url` whenever a URL is shown.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Annotated, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pipeline.errors import ConfigurationError
+
+ENV_PREFIX = "PIPELINE_"
+_IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+def validate_identifier(value: str, what: str = "identifier") -> str:
+    """Accept only lower-case SQL identifiers, so they never need quoting tricks."""
+    if not _IDENTIFIER.match(value):
+        raise ConfigurationError(
+            f"invalid {what} {value!r}: use 1-63 characters of a-z, 0-9 and _, "
+            "not starting with a digit"
+        )
+    return value
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` with any password replaced by ``***`` (safe to log)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+class Settings(BaseSettings):
+    """All tunables of the pipeline; every field maps to ``PIPELINE_<FIELD>``."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX, frozen=True, extra="ignore", hide_input_in_errors=True
+    )
+
+    database_url: SecretStr | None = None
+    redis_url: SecretStr | None = None
+    schema_name: str = "pipeline"
+    redis_namespace: str = "pipeline"
+
+    # Producer
+    max_payload_bytes: PositiveInt = 256 * 1024
+    unordered_event_types: frozenset[str] = frozenset()
+
+    # Relay and publishing
+    batch_size: PositiveInt = 500
+    max_events_per_message: PositiveInt = 100
+    lease_seconds: PositiveFloat = 30.0
+    poll_interval_min: PositiveFloat = 0.05
+    poll_interval_max: PositiveFloat = 2.0
+    reconnect_backoff_max: PositiveFloat = 10.0
+    publishers_in_flight: PositiveInt = 4
+    publish_max_attempts: PositiveInt = 12
+    publish_backoff_base: PositiveFloat = 0.5
+    publish_backoff_max: PositiveFloat = 300.0
+    relay_busy_ttl: PositiveFloat = 5.0
+
+    # Workers and inbox
+    worker_timeout_ms: PositiveInt = 100
+    inbox_retention_seconds: PositiveInt = 7 * 24 * 3600
+    consumer_max_retries: Annotated[int, Field(ge=0)] = 8
+    consumer_backoff_min: PositiveFloat = 0.2
+    consumer_backoff_max: PositiveFloat = 60.0
+
+    # Observability
+    metrics_host: str = "127.0.0.1"
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464
+    log_format: Literal["json", "console"] = "console"
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    trace_ui_url: str | None = None
+    canary_interval: PositiveFloat = 15.0
+
+    # Housekeeping
+    sent_retention_seconds: PositiveInt = 7 * 24 * 3600
+
+    @field_validator("schema_name", "redis_namespace")
+    @classmethod
+    def _identifier(cls, value: str) -> str:
+        if not _IDENTIFIER.match(value):
+            raise ValueError("use 1-63 characters of a-z, 0-9 and _, not starting with a digit")
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().startswith(
+            ("postgresql://", "postgres://", "postgresql+psycopg://")
+        ):
+            raise ValueError("must start with postgresql://")
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError("must start with redis://, rediss:// or unix://")
+        return value
+
+    def require_database_url(self) -> str:
+        """The libpq URL (``postgresql://``), or a clear error naming the variable."""
+        if self.database_url is None:
+            raise ConfigurationError(f"{ENV_PREFIX}DATABASE_URL is not set")
+        return libpq_url(self.database_url.get_secret_value())
+
+    def require_redis_url(self) -> str:
+        if self.redis_url is None:
+            raise ConfigurationError(f"{ENV_PREFIX}REDIS_URL is not set")
+        return self.redis_url.get_secret_value()
+
+    def sqlalchemy_url(self) -> str:
+        """The database URL with the psycopg 3 dialect, for SQLAlchemy engines."""
+        return "postgresql+psycopg://" + self.require_database_url().split("://", 1)[1]
+
+
+def libpq_url(url: str) -> str:
+    """Normalise SQLAlchemy-style URLs to the plain form libpq and psycopg accept."""
+    scheme, rest = url.split("://", 1)
+    if scheme in ("postgresql+psycopg", "postgres"):
+        scheme = "postgresql"
+    return f"{scheme}://{rest}"
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read settings from the environment; invalid values raise one clear error line."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else "?"
+        raise ConfigurationError(
+            f"{ENV_PREFIX}{field.upper()}: {first['msg']}"
+            + (f" ({len(exc.errors()) - 1} more invalid settings)" if len(exc.errors()) > 1 else "")
+        ) from None
+
+
+@lru_cache(maxsize=1)
+def _environment_settings() -> Settings:
+    return load_settings()
+
+
+_configured: Settings | None = None
+
+
+def configure(settings: Settings | None) -> None:
+    """Make ``settings`` the process-wide default (``None`` returns to the environment)."""
+    global _configured  # noqa: PLW0603
+    _configured = settings
+    _environment_settings.cache_clear()
+
+
+def get_settings() -> Settings:
+    """The process-wide settings: those given to :func:`configure`, else the environment."""
+    return _configured if _configured is not None else _environment_settings()

@@ -1,0 +1,1 @@
+"""Database layer: declared tables, versioned migrations and named SQL queries."""

@@ -1,0 +1,182 @@
+"""The declared schema, as SQLAlchemy Core tables.
+
+These tables are the reference the migrations are tested against
+(``tests/integration/test_migrations.py``) and what the producer inserts through,
+so an application's own ``Session`` and engine are all the producer needs. They
+are declared in the placeholder schema :data:`SCHEMA`; the configured schema name
+is substituted at execution time with ``schema_translate_map``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Column,
+    DateTime,
+    Identity,
+    Index,
+    Integer,
+    MetaData,
+    PrimaryKeyConstraint,
+    Table,
+    Text,
+    cast,
+    text,
+)
+from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.types import UserDefinedType
+
+SCHEMA = "pipeline"
+metadata = MetaData(schema=SCHEMA)
+_now = text("clock_timestamp()")
+
+
+class EncodedJSONB(UserDefinedType[str]):
+    """``jsonb`` bound from text the producer already serialised (and size-checked).
+
+    Plain ``JSONB`` would serialise a second time; this casts the text in SQL instead.
+    """
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "jsonb"
+
+    def bind_expression(self, bindvalue: Any) -> Any:
+        return cast(bindvalue, JSONB)
+
+
+class XID8(UserDefinedType[int]):
+    """Postgres ``xid8``: the 64-bit transaction id used for commit-order safety."""
+
+    cache_ok = True
+
+    def get_col_spec(self, **kw: Any) -> str:
+        return "xid8"
+
+
+def _status_check(name: str, values: tuple[str, ...]) -> CheckConstraint:
+    quoted = ", ".join(f"'{v}'" for v in values)
+    return CheckConstraint(f"status IN ({quoted})", name=name)
+
+
+OUTBOX_STATUSES = ("pending", "publishing", "sent", "dead")
+UNSENT = text("status IN ('pending', 'publishing')")
+
+outbox = Table(
+    "outbox",
+    metadata,
+    Column("id", UUID(as_uuid=True), primary_key=True),
+    Column("seq", BigInteger, Identity(always=True), nullable=False),
+    Column("txid", XID8, nullable=False, server_default=text("pg_current_xact_id()")),
+    Column("aggregate_type", Text),
+    Column("aggregate_id", Text),
+    Column("ordering_key", Text),
+    Column("event_type", Text, nullable=False),
+    Column("event_version", Integer, nullable=False, server_default=text("1")),
+    Column("payload", EncodedJSONB, nullable=False),
+    Column("headers", EncodedJSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("status", Text, nullable=False, server_default=text("'pending'::text")),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("next_attempt_at", DateTime(timezone=True), nullable=False, server_default=_now),
+    Column("lease_token", BigInteger),
+    Column("lease_owner", Text),
+    Column("lease_expires_at", DateTime(timezone=True)),
+    Column("last_error", Text),
+    Column("last_error_class", Text),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=_now),
+    Column("published_at", DateTime(timezone=True)),
+    _status_check("outbox_status_check", OUTBOX_STATUSES),
+    Index("outbox_unsent_idx", "txid", "seq", postgresql_where=UNSENT),
+    Index(
+        "outbox_key_idx",
+        "ordering_key",
+        "txid",
+        "seq",
+        postgresql_where=text("status IN ('pending', 'publishing') AND ordering_key IS NOT NULL"),
+    ),
+    Index("outbox_published_idx", "published_at", postgresql_where=text("status = 'sent'")),
+    Index("outbox_causation_idx", text("(headers ->> 'causation_id')")),
+)
+
+inbox = Table(
+    "inbox",
+    metadata,
+    Column("consumer", Text, nullable=False),
+    Column("event_id", UUID(as_uuid=True), nullable=False),
+    Column("event_type", Text, nullable=False),
+    Column("ordering_key", Text),
+    Column("status", Text, nullable=False),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("received_at", DateTime(timezone=True), nullable=False, server_default=_now),
+    Column("processed_at", DateTime(timezone=True)),
+    Column("last_error", Text),
+    Column("last_error_class", Text),
+    PrimaryKeyConstraint("consumer", "event_id", name="inbox_pkey"),
+    _status_check("inbox_status_check", ("processed", "failed", "dead")),
+    Index("inbox_processed_idx", "processed_at"),
+    Index("inbox_event_idx", "event_id"),
+)
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("event_id", UUID(as_uuid=True), nullable=False),
+    Column("stage", Text, nullable=False),
+    Column("consumer", Text),
+    Column("attempt", Integer, nullable=False),
+    Column("error_class", Text, nullable=False),
+    Column("error", Text, nullable=False),
+    Column("occurred_at", DateTime(timezone=True), nullable=False, server_default=_now),
+    CheckConstraint("stage IN ('publish', 'consume')", name="attempts_stage_check"),
+    Index("attempts_event_idx", "event_id"),
+)
+
+dead_letters = Table(
+    "dead_letters",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("stage", Text, nullable=False),
+    Column("event_id", UUID(as_uuid=True)),
+    Column("consumer", Text),
+    Column("event_type", Text),
+    Column("queue", Text),
+    Column("reason", Text, nullable=False),
+    Column("error_class", Text, nullable=False),
+    Column("error", Text, nullable=False),
+    Column("attempts", Integer, nullable=False, server_default=text("0")),
+    Column("envelope", JSONB),
+    Column("raw_message", Text),
+    Column("created_at", DateTime(timezone=True), nullable=False, server_default=_now),
+    Column("replayed_at", DateTime(timezone=True)),
+    Column("replay_count", Integer, nullable=False, server_default=text("0")),
+    CheckConstraint("stage IN ('publish', 'consume')", name="dead_letters_stage_check"),
+    Index("dead_letters_created_idx", "stage", "created_at"),
+    Index("dead_letters_event_idx", "event_id"),
+)
+
+audit_log = Table(
+    "audit_log",
+    metadata,
+    Column("id", BigInteger, Identity(always=True), primary_key=True),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=_now),
+    Column("actor", Text, nullable=False),
+    Column("action", Text, nullable=False),
+    Column("parameters", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
+    Column("affected", Integer, nullable=False, server_default=text("0")),
+)
+
+relay_state = Table(
+    "relay_state",
+    metadata,
+    Column("relay_id", Text, primary_key=True),
+    Column("busy", Boolean, nullable=False, server_default=text("false")),
+    Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=_now),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+)

@@ -1,0 +1,43 @@
+"""Every error the pipeline raises on purpose derives from :class:`PipelineError`.
+
+Expected errors are the ones a user can fix (bad configuration, bad input, an
+unreachable server); the CLI prints them as one line and exits non-zero::
+
+    PipelineError
+    ├── ConfigurationError        a PIPELINE_* setting or schema name is invalid
+    ├── EventValidationError      a payload or event field was rejected before any SQL ran
+    ├── UnknownConsumerError      a message or command names a consumer nobody registered
+    ├── ServiceUnavailableError   Postgres or Redis could not be reached (driver error wrapped)
+    ├── MigrationError            the database schema could not be brought up to date
+    └── NotFoundError             an event or dead letter named by an operator does not exist
+"""
+
+from __future__ import annotations
+
+
+class PipelineError(Exception):
+    """Base class: the message is safe to show to an operator (no payloads, no secrets)."""
+
+
+class ConfigurationError(PipelineError):
+    """A setting is missing or invalid; the message names the variable."""
+
+
+class EventValidationError(PipelineError, ValueError):
+    """An event was rejected before it touched the caller's transaction."""
+
+
+class UnknownConsumerError(PipelineError, LookupError):
+    """A consumer name is not in the registry of this process."""
+
+
+class ServiceUnavailableError(PipelineError):
+    """A server the pipeline needs did not answer; retrying later may succeed."""
+
+
+class MigrationError(PipelineError):
+    """The schema is newer than this code, or a migration failed."""
+
+
+class NotFoundError(PipelineError, LookupError):
+    """An id given by an operator matches nothing."""

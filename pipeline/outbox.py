@@ -1,0 +1,190 @@
+"""The producer: add events to the caller's own transaction.
+
+The whole outbox guarantee (DESIGN I1) rests on the event row joining the
+business transaction, so these functions take the caller's SQLAlchemy
+``Session``/``AsyncSession`` and never commit. Everything that can be wrong with
+an event is checked *before* any SQL runs, so a rejected event leaves the
+session and its transaction fully usable.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from opentelemetry import propagate
+from sqlalchemy import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.orm import Session
+
+from pipeline.config import Settings, get_settings
+from pipeline.db.tables import SCHEMA, outbox
+from pipeline.errors import EventValidationError
+from pipeline.ids import uuid7
+
+_EVENT_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
+_HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+RESERVED_HEADERS = frozenset({"traceparent", "tracestate", "correlation_id", "causation_id"})
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An event to add; ``ordering_key`` defaults to ``aggregate_type:aggregate_id``.
+
+    Set ``ordered=False`` (or list the type in ``PIPELINE_UNORDERED_EVENT_TYPES``)
+    for events that may be published in any order and so never wait for others.
+    """
+
+    event_type: str
+    payload: Any
+    aggregate_type: str | None = None
+    aggregate_id: str | None = None
+    ordering_key: str | None = None
+    ordered: bool | None = None
+    event_version: int = 1
+    headers: Mapping[str, str] = field(default_factory=dict)
+    correlation_id: uuid.UUID | None = None
+    causation_id: uuid.UUID | None = None
+    event_id: uuid.UUID | None = None
+
+
+def add_event(session: Session, event_type: str, payload: Any, **fields: Any) -> uuid.UUID:
+    """Add one event to ``session``'s transaction and return its id.
+
+    Keyword arguments are the fields of :class:`NewEvent`. Raises
+    :class:`EventValidationError` (before any SQL) for an invalid event.
+    """
+    return add_events(session, [NewEvent(event_type, payload, **fields)])[0]
+
+
+def add_events(session: Session, events: Sequence[NewEvent]) -> list[uuid.UUID]:
+    """Add many events in one round trip; all are validated before any is written."""
+    settings = get_settings()
+    rows = prepare_rows(events, settings)
+    if rows:
+        session.execute(insert(outbox), rows, execution_options=_options(settings))
+    return [row["id"] for row in rows]
+
+
+async def add_event_async(
+    session: AsyncSession, event_type: str, payload: Any, **fields: Any
+) -> uuid.UUID:
+    """:func:`add_event` for an ``AsyncSession``."""
+    return (await add_events_async(session, [NewEvent(event_type, payload, **fields)]))[0]
+
+
+async def add_events_async(session: AsyncSession, events: Sequence[NewEvent]) -> list[uuid.UUID]:
+    """:func:`add_events` for an ``AsyncSession``."""
+    settings = get_settings()
+    rows = prepare_rows(events, settings)
+    if rows:
+        await session.execute(insert(outbox), rows, execution_options=_options(settings))
+    return [row["id"] for row in rows]
+
+
+def _options(settings: Settings) -> dict[str, Any]:
+    return {"schema_translate_map": {SCHEMA: settings.schema_name}}
+
+
+def prepare_rows(events: Sequence[NewEvent], settings: Settings) -> list[dict[str, Any]]:
+    """Validate events and turn them into outbox rows (no I/O)."""
+    trace_context: dict[str, str] = {}
+    propagate.inject(trace_context)
+    return [_row(event, index, settings, trace_context) for index, event in enumerate(events)]
+
+
+def _row(
+    event: NewEvent, index: int, settings: Settings, trace_context: Mapping[str, str]
+) -> dict[str, Any]:
+    where = (
+        f"event {index} ({event.event_type!r})"
+        if isinstance(event.event_type, str)
+        else (f"event {index}")
+    )
+    if not isinstance(event.event_type, str) or not _EVENT_TYPE.match(event.event_type):
+        raise EventValidationError(
+            f"{where}: event_type must be 1-200 characters of letters, digits and _.:/-"
+        )
+    if not isinstance(event.event_version, int) or event.event_version < 1:
+        raise EventValidationError(f"{where}: event_version must be a positive integer")
+    payload = encode_payload(event.payload, settings.max_payload_bytes, where)
+    event_id = event.event_id or uuid7()
+    headers = _headers(event, event_id, where, trace_context)
+    return {
+        "id": event_id,
+        "aggregate_type": _optional_text(event.aggregate_type, "aggregate_type", where),
+        "aggregate_id": _optional_text(event.aggregate_id, "aggregate_id", where),
+        "ordering_key": _ordering_key(event, settings, where),
+        "event_type": event.event_type,
+        "event_version": event.event_version,
+        "payload": payload,
+        "headers": json.dumps(headers, separators=(",", ":")),
+    }
+
+
+def encode_payload(payload: Any, max_bytes: int, where: str = "event") -> str:
+    """Serialise a payload to compact JSON, refusing what JSON or the size limit cannot hold."""
+    try:
+        encoded = json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise EventValidationError(f"{where}: payload is not JSON-serialisable: {exc}") from None
+    size = len(encoded.encode("utf-8"))
+    if size > max_bytes:
+        raise EventValidationError(
+            f"{where}: payload is {size} bytes, over the limit of {max_bytes} "
+            "(PIPELINE_MAX_PAYLOAD_BYTES)"
+        )
+    if "\\u0000" in encoded:
+        raise EventValidationError(
+            f"{where}: payload contains a NUL character, which jsonb rejects"
+        )
+    return encoded
+
+
+def _optional_text(value: object, name: str, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 500:
+        raise EventValidationError(f"{where}: {name} must be a non-empty string of <= 500 chars")
+    return value
+
+
+def _ordering_key(event: NewEvent, settings: Settings, where: str) -> str | None:
+    ordered = event.ordered
+    if ordered is None:
+        ordered = event.event_type not in settings.unordered_event_types
+    if not ordered:
+        return None
+    if event.ordering_key is not None:
+        return _optional_text(event.ordering_key, "ordering_key", where)
+    if event.aggregate_id is None:
+        return None
+    return f"{event.aggregate_type or ''}:{event.aggregate_id}"
+
+
+def _headers(
+    event: NewEvent, event_id: uuid.UUID, where: str, trace_context: Mapping[str, str]
+) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    for name, value in event.headers.items():
+        if not isinstance(name, str) or not _HEADER_NAME.match(name) or name in RESERVED_HEADERS:
+            raise EventValidationError(
+                f"{where}: header name {name!r} is invalid or reserved "
+                "(lower-case a-z, 0-9, _.-; not traceparent/tracestate/correlation_id/causation_id)"
+            )
+        if not isinstance(value, str) or len(value) > 1024:
+            raise EventValidationError(
+                f"{where}: header {name!r} must be a string of <= 1024 chars"
+            )
+        headers[name] = value
+    for name in ("traceparent", "tracestate"):
+        if name in trace_context:
+            headers[name] = trace_context[name]
+    headers["correlation_id"] = str(event.correlation_id or event_id)
+    if event.causation_id is not None:
+        headers["causation_id"] = str(event.causation_id)
+    return headers

@@ -1,0 +1,183 @@
+"""Real-server fixtures shared by every test tier.
+
+Postgres and Redis come from ``PIPELINE_TEST_DATABASE_URL`` /
+``PIPELINE_TEST_REDIS_URL`` when set, else from throwaway servers this session
+starts itself. Each test gets its own database cloned from a migrated template and
+its own Redis key namespace, so a shared server's other data is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+import redis
+from psycopg import sql
+from sqlalchemy import Engine, create_engine
+
+from pipeline.config import Settings, configure, libpq_url
+from pipeline.db.migrate import upgrade
+from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis
+
+RUN_ID = uuid.uuid4().hex[:8]
+
+
+def _replace_dbname(url: str, dbname: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path=f"/{dbname}"))
+
+
+@pytest.fixture(scope="session")
+def postgres_server_url() -> Iterator[str]:
+    given = os.environ.get("PIPELINE_TEST_DATABASE_URL")
+    if given:
+        yield libpq_url(given)
+        return
+    server = EmbeddedPostgres(durable=False)
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def redis_server_url() -> Iterator[str]:
+    given = os.environ.get("PIPELINE_TEST_REDIS_URL")
+    if given:
+        yield given
+        return
+    server = EmbeddedRedis()
+    server.start()
+    try:
+        yield server.url
+    finally:
+        server.cleanup()
+
+
+def _admin(url: str) -> psycopg.Connection[tuple[object, ...]]:
+    return psycopg.connect(url, autocommit=True)
+
+
+@pytest.fixture(scope="session")
+def template_database(postgres_server_url: str) -> Iterator[str]:
+    """A database migrated once per session; every test clones it."""
+    name = f"pipeline_tpl_{RUN_ID}"
+    with _admin(postgres_server_url) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    url = _replace_dbname(postgres_server_url, name)
+    engine = create_engine("postgresql+psycopg://", creator=lambda: psycopg.connect(url))
+    with engine.begin() as connection:
+        upgrade(connection, "pipeline")
+    engine.dispose()
+    try:
+        yield name
+    finally:
+        with _admin(postgres_server_url) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def create_database(server_url: str, template: str | None = None) -> tuple[str, str]:
+    """Create a uniquely named database; returns (name, url)."""
+    name = f"pipeline_t_{RUN_ID}_{uuid.uuid4().hex[:8]}"
+    query = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template:
+        query = sql.SQL("CREATE DATABASE {} TEMPLATE {}").format(
+            sql.Identifier(name), sql.Identifier(template)
+        )
+    with _admin(server_url) as conn:
+        conn.execute(query)
+    return name, _replace_dbname(server_url, name)
+
+
+def drop_database(server_url: str, name: str) -> None:
+    with _admin(server_url) as conn:
+        conn.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@pytest.fixture
+def database_url(postgres_server_url: str, template_database: str) -> Iterator[str]:
+    """A fresh, migrated database for this test only."""
+    name, url = create_database(postgres_server_url, template_database)
+    try:
+        yield url
+    finally:
+        drop_database(postgres_server_url, name)
+
+
+@pytest.fixture
+def empty_database_url(postgres_server_url: str) -> Iterator[str]:
+    """A fresh database without the pipeline schema."""
+    name, url = create_database(postgres_server_url)
+    try:
+        yield url
+    finally:
+        drop_database(postgres_server_url, name)
+
+
+@pytest.fixture
+def redis_namespace(redis_server_url: str) -> Iterator[str]:
+    """A key namespace private to this test; only its own keys are deleted afterwards."""
+    namespace = f"t{RUN_ID}{uuid.uuid4().hex[:8]}"
+    yield namespace
+    client = redis.Redis.from_url(redis_server_url)
+    try:
+        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def settings(database_url: str, redis_server_url: str, redis_namespace: str) -> Iterator[Settings]:
+    """Settings for this test's database and namespace, installed process-wide."""
+    value = Settings(
+        database_url=database_url,  # type: ignore[arg-type]
+        redis_url=redis_server_url,  # type: ignore[arg-type]
+        redis_namespace=redis_namespace,
+    )
+    configure(value)
+    try:
+        yield value
+    finally:
+        configure(None)
+
+
+@pytest.fixture
+def engine(settings: Settings) -> Iterator[Engine]:
+    value = create_engine(settings.sqlalchemy_url(), pool_size=5)
+    try:
+        yield value
+    finally:
+        value.dispose()
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[EmbeddedPostgres]:
+    """A Postgres server of this test's own, which the test may kill and restart."""
+    server = EmbeddedPostgres(durable=True)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture
+def private_redis() -> Iterator[EmbeddedRedis]:
+    """A Redis server of this test's own, which the test may kill and restart."""
+    server = EmbeddedRedis()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()

@@ -1,0 +1,191 @@
+"""The producer joins the caller's transaction: rows and notifications iff it commits."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+from sqlalchemy import Engine, text
+from sqlalchemy.ext.asyncio import create_async_engine
+from sqlalchemy.orm import Session
+
+from pipeline import EventValidationError, NewEvent, Settings, add_event, add_events
+from pipeline.outbox import add_event_async, add_events_async
+
+CHANNEL = "pipeline_outbox"
+
+
+@pytest.fixture
+def listener(settings: Settings) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
+    conn = psycopg.connect(settings.require_database_url(), autocommit=True)
+    conn.execute(f"LISTEN {CHANNEL}")
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def drain_notifications(conn: psycopg.Connection[tuple[object, ...]], wait: float) -> int:
+    return sum(1 for _ in conn.notifies(timeout=wait))
+
+
+@pytest.fixture
+def business_table(engine: Engine) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("CREATE TABLE orders (id text PRIMARY KEY, total int NOT NULL)"))
+
+
+def count(engine: Engine, sql: str) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(sql)).scalar_one())
+
+
+def test_rolled_back_event_leaves_no_row_and_no_notification(engine, listener, business_table):
+    with Session(engine) as session, session.begin():
+        session.execute(text("INSERT INTO orders VALUES ('o1', 10)"))
+        add_event(
+            session, "order.placed", {"order": "o1"}, aggregate_type="order", aggregate_id="o1"
+        )
+        session.rollback()
+    assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 0
+    assert count(engine, "SELECT count(*) FROM orders") == 0
+    assert drain_notifications(listener, 0.5) == 0
+
+
+def test_committed_event_gives_one_row_and_one_notification(engine, listener, business_table):
+    with Session(engine) as session, session.begin():
+        session.execute(text("INSERT INTO orders VALUES ('o1', 10)"))
+        event_id = add_event(
+            session,
+            "order.placed",
+            {"order": "o1", "total": 10},
+            aggregate_type="order",
+            aggregate_id="o1",
+        )
+    assert drain_notifications(listener, 2.0) == 1
+    with engine.connect() as conn:
+        row = conn.execute(
+            text(
+                "SELECT id, event_type, ordering_key, payload, status, headers FROM pipeline.outbox"
+            )
+        ).one()
+    assert row.id == event_id and event_id.version == 7
+    assert row.event_type == "order.placed"
+    assert row.ordering_key == "order:o1"
+    assert row.payload == {"order": "o1", "total": 10}
+    assert row.status == "pending"
+    assert row.headers["correlation_id"] == str(event_id)
+
+
+def test_thousand_events_in_one_transaction_fold_into_one_notification(engine, listener):
+    events = [NewEvent("item.added", {"n": i}, aggregate_id=str(i % 10)) for i in range(1000)]
+    with Session(engine) as session, session.begin():
+        ids = add_events(session, events)
+    assert len(set(ids)) == 1000
+    assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 1000
+    assert drain_notifications(listener, 2.0) == 1
+    # seq follows insertion order within the transaction
+    with engine.connect() as conn:
+        seqs = conn.execute(text("SELECT seq FROM pipeline.outbox ORDER BY seq")).scalars().all()
+        ordered_ids = (
+            conn.execute(text("SELECT id FROM pipeline.outbox ORDER BY seq")).scalars().all()
+        )
+    assert len(seqs) == 1000 and ordered_ids == ids
+
+
+def test_separate_transactions_notify_separately(engine, listener):
+    for i in range(3):
+        with Session(engine) as session, session.begin():
+            add_event(session, "ping", {"i": i})
+    assert drain_notifications(listener, 2.0) == 3
+
+
+@pytest.mark.parametrize(
+    ("payload", "fields", "message"),
+    [
+        ({"when": object()}, {}, "not JSON-serialisable"),
+        ({"x": float("nan")}, {}, "not JSON-serialisable"),
+        ({"blob": "x" * 300_000}, {}, "over the limit of 262144"),
+        ({"ok": 1}, {"event_version": 0}, "event_version must be a positive integer"),
+        ({"ok": 1}, {"headers": {"traceparent": "x"}}, "reserved"),
+    ],
+)
+def test_invalid_event_is_rejected_and_transaction_stays_usable(
+    engine, listener, business_table, payload, fields, message
+):
+    with Session(engine) as session, session.begin():
+        session.execute(text("INSERT INTO orders VALUES ('o1', 10)"))
+        with pytest.raises(EventValidationError, match=message):
+            add_event(session, "order.placed", payload, **fields)
+        session.execute(text("INSERT INTO orders VALUES ('o2', 20)"))
+    assert count(engine, "SELECT count(*) FROM orders") == 2
+    assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 0
+    assert drain_notifications(listener, 0.5) == 0
+
+
+def test_invalid_event_type_is_rejected(engine):
+    with Session(engine) as session, session.begin():
+        with pytest.raises(EventValidationError, match="event_type"):
+            add_event(session, "bad type with spaces", {})
+
+
+def test_batch_with_one_bad_event_writes_nothing(engine):
+    events = [NewEvent("ok", {"i": 1}), NewEvent("ok", {"bad": {1, 2}})]
+    with Session(engine) as session, session.begin():
+        with pytest.raises(EventValidationError, match="event 1"):
+            add_events(session, events)
+    assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 0
+
+
+def test_ordering_rules(engine, settings):
+    with Session(engine) as session, session.begin():
+        add_event(session, "a", {}, aggregate_type="cart", aggregate_id="7")
+        add_event(session, "b", {}, aggregate_type="cart", aggregate_id="7", ordered=False)
+        add_event(session, "c", {}, ordering_key="tenant-1")
+        add_event(session, "d", {})
+    with engine.connect() as conn:
+        keys = dict(
+            conn.execute(text("SELECT event_type, ordering_key FROM pipeline.outbox")).all()
+        )
+    assert keys == {"a": "cart:7", "b": None, "c": "tenant-1", "d": None}
+
+
+def test_trace_context_and_causation_are_captured(engine):
+    from opentelemetry.sdk.trace import TracerProvider
+
+    tracer = TracerProvider().get_tracer("test")
+    cause = uuid.uuid4()
+    with tracer.start_as_current_span("business") as span, Session(engine) as session:
+        with session.begin():
+            add_event(session, "x", {}, causation_id=cause, correlation_id=cause)
+        trace_id = format(span.get_span_context().trace_id, "032x")
+    with engine.connect() as conn:
+        headers = conn.execute(text("SELECT headers FROM pipeline.outbox")).scalar_one()
+    assert headers["traceparent"].split("-")[1] == trace_id
+    assert headers["causation_id"] == str(cause)
+    assert headers["correlation_id"] == str(cause)
+
+
+async def test_async_session_commit_and_rollback(settings, listener):
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    engine = create_async_engine(settings.sqlalchemy_url())
+    try:
+        async with AsyncSession(engine) as session, session.begin():
+            await add_event_async(session, "a", {"n": 1})
+            await session.rollback()
+        assert drain_notifications(listener, 0.5) == 0
+        async with AsyncSession(engine) as session, session.begin():
+            await add_events_async(session, [NewEvent("a", {"n": i}) for i in range(1000)])
+        assert drain_notifications(listener, 2.0) == 1
+        async with AsyncSession(engine) as session, session.begin():
+            with pytest.raises(EventValidationError, match="over the limit"):
+                await add_event_async(session, "a", {"blob": "y" * 300_000})
+            await add_event_async(session, "a", {"n": "after error"})
+        async with engine.connect() as conn:
+            total = (await conn.execute(text("SELECT count(*) FROM pipeline.outbox"))).scalar_one()
+        assert total == 1001
+    finally:
+        await engine.dispose()

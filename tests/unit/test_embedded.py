@@ -1,0 +1,169 @@
+"""Real throwaway servers: crash (SIGKILL) and restart must keep committed data."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from pipeline import embedded
+from pipeline.embedded import (
+    BinaryNotFoundError,
+    EmbeddedPostgres,
+    EmbeddedRedis,
+    EmbeddedServerError,
+    ServerStartError,
+    free_port,
+)
+
+
+@pytest.fixture
+def pg() -> Iterator[EmbeddedPostgres]:
+    server = EmbeddedPostgres()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def occupied_port() -> Iterator[int]:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_free_port_is_bindable() -> None:
+    port = free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_postgres_committed_row_survives_kill(pg: EmbeddedPostgres) -> None:
+    pg.start()
+    port = pg.port
+    assert pg.is_running()
+    assert pg.url == f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    with psycopg.connect(pg.url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE crash_probe (id int PRIMARY KEY, note text)")
+        conn.execute("INSERT INTO crash_probe VALUES (1, 'committed')")
+        assert conn.execute("SHOW fsync").fetchone() == ("on",)
+        assert conn.execute("SHOW max_connections").fetchone() == ("200",)
+
+    pg.kill()
+    assert not pg.is_running()
+    pg.start()  # crash recovery replays the WAL
+
+    assert pg.port == port
+    with psycopg.connect(pg.url) as conn:
+        assert conn.execute("SELECT id, note FROM crash_probe").fetchall() == [(1, "committed")]
+    pg.restart()
+    with psycopg.connect(pg.dsn("template1")) as conn:
+        assert conn.execute("SELECT current_database()").fetchone() == ("template1",)
+    pg.stop()
+    assert not pg.is_running()
+    assert pg.socket_dir is None
+
+
+def test_postgres_cleanup_removes_temp_dir() -> None:
+    with EmbeddedPostgres(durable=False) as pg:
+        data_dir = pg.data_dir
+        assert (data_dir / "PG_VERSION").exists()
+        assert (data_dir / "postgres.log").exists()
+        with psycopg.connect(pg.url) as conn:
+            assert conn.execute("SHOW fsync").fetchone() == ("off",)
+    assert not pg.is_running()
+    assert not data_dir.exists()
+
+
+def test_postgres_rejects_foreign_data_dir(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("not a cluster")
+    server = EmbeddedPostgres(data_dir=tmp_path)
+    with pytest.raises(EmbeddedServerError, match="not a Postgres data directory"):
+        server.start()
+    assert not server.is_running()
+    server.cleanup()
+    assert (tmp_path / "notes.txt").exists(), "a caller's directory is never deleted"
+
+
+def test_postgres_corrupt_data_dir_reports_log_tail(pg: EmbeddedPostgres) -> None:
+    pg.start()
+    pg.stop()
+    (pg.data_dir / "global" / "pg_control").unlink()
+    with pytest.raises(ServerStartError, match=r"(?s)exited with code.*pg_control"):
+        pg.start()
+    assert not pg.is_running()
+
+
+def test_postgres_start_timeout_kills_server() -> None:
+    server = EmbeddedPostgres(start_timeout=0)
+    try:
+        with pytest.raises(ServerStartError, match="did not accept connections within 0s"):
+            server.start()
+        assert not server.is_running()
+    finally:
+        server.cleanup()
+
+
+def test_postgres_pinned_port_in_use(occupied_port: int) -> None:
+    server = EmbeddedPostgres(port=occupied_port)
+    try:
+        with pytest.raises(ServerStartError, match="Address already in use"):
+            server.start()
+    finally:
+        server.cleanup()
+
+
+def test_postgres_missing_binaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(BinaryNotFoundError, match="initdb does not exist"):
+        EmbeddedPostgres(bin_dir=tmp_path).start()
+    monkeypatch.setattr(embedded, "_postgres_bin_candidates", list)
+    with pytest.raises(EmbeddedServerError, match="no usable Postgres binaries"):
+        EmbeddedPostgres().start()
+
+
+def test_redis_kill_and_restart() -> None:
+    with EmbeddedRedis() as server:
+        port = server.port
+        client = redis.Redis.from_url(server.url)
+        client.set("probe", "1")
+        server.kill()
+        assert not server.is_running()
+        server.start()
+        assert server.port == port
+        assert client.ping()
+        assert client.get("probe") is None, "not persistent by default"
+        client.close()
+        data_dir = server.data_dir
+    assert not data_dir.exists()
+
+
+def test_redis_persistent_survives_kill() -> None:
+    with EmbeddedRedis(persistent=True) as server:
+        client = redis.Redis.from_url(server.url)
+        client.set("probe", "kept")
+        server.kill()
+        server.restart()
+        assert client.get("probe") == b"kept"
+        client.close()
+
+
+def test_redis_retries_when_auto_port_was_taken(
+    occupied_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ports = iter([occupied_port])
+    real_free_port = embedded.free_port
+    monkeypatch.setattr(embedded, "free_port", lambda: next(ports, None) or real_free_port())
+    with EmbeddedRedis() as server:
+        assert server.port != occupied_port
+        assert redis.Redis.from_url(server.url).ping()
+
+
+def test_redis_missing_binary(tmp_path: Path) -> None:
+    server = EmbeddedRedis(executable=tmp_path / "redis-server")
+    with pytest.raises(BinaryNotFoundError, match="no usable redis-server"):
+        server.start()
+    server.cleanup()
