@@ -76,6 +76,102 @@ def db_pending(ctx: click.Context) -> None:
     click.echo("no pending migrations")
 
 
+def _with_apps(settings: Settings, apps: tuple[str, ...]) -> Settings:
+    if not apps:
+        return settings
+    names = [*settings.app_module_names(), *apps]
+    return settings.replace(app_modules=",".join(names))
+
+
+@cli.command()
+@click.option(
+    "--mode",
+    type=click.Choice(["auto", "inline", "workers"]),
+    default="auto",
+    show_default=True,
+    help="inline: publish in the relay; workers: only dispatch publishing actors; "
+    "auto: inline, plus actors when a backlog builds up.",
+)
+@click.option("--no-listen", is_flag=True, help="Do not LISTEN; rely on polling only.")
+@click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
+@click.pass_context
+def relay(ctx: click.Context, mode: str, no_listen: bool, apps: tuple[str, ...]) -> None:
+    """Wake on NOTIFY (with a polling fallback) and publish due outbox events."""
+    import signal
+
+    from pipeline.db.connect import connect
+    from pipeline.relay.relay import Relay
+    from pipeline.runtime import build_runtime
+
+    settings = _with_apps(_settings(ctx), apps)
+    connect(settings).close()  # fail fast, with one clear line, on a bad URL or a down server
+    runtime = build_runtime(settings)
+    server = Relay(
+        settings,
+        runtime.registry,
+        runtime.publisher,
+        mode=mode,  # type: ignore[arg-type]
+        listen=not no_listen,
+        dispatch=runtime.dispatcher,
+    )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: server.shutdown())
+    from pipeline.observability.logging import configure_logging
+
+    configure_logging(settings)
+    try:
+        server.run()
+    finally:
+        runtime.close()
+
+
+@cli.command(context_settings={"ignore_unknown_options": True})
+@click.option("--processes", "-p", type=int, default=2, show_default=True)
+@click.option("--threads", "-t", type=int, default=8, show_default=True)
+@click.option("--queues", "-Q", multiple=True, help="Only consume these queues.")
+@click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
+@click.argument("dramatiq_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def worker(
+    ctx: click.Context,
+    processes: int,
+    threads: int,
+    queues: tuple[str, ...],
+    apps: tuple[str, ...],
+    dramatiq_args: tuple[str, ...],
+) -> None:
+    """Run Dramatiq worker processes for the publishing and inbox actors.
+
+    Extra arguments are passed to the dramatiq command line.
+    """
+    import os
+
+    from pipeline.db.connect import connect
+    from pipeline.runtime import build_runtime
+
+    settings = _with_apps(_settings(ctx), apps)
+    settings.require_redis_url()
+    connect(settings).close()
+    build_runtime(settings).close()  # import errors and bad settings: one line, here
+    env = dict(os.environ)
+    env["PIPELINE_APP_MODULES"] = settings.app_modules
+    env["dramatiq_worker_timeout"] = str(settings.worker_timeout_ms)
+    argv = [
+        sys.executable,
+        "-m",
+        "dramatiq",
+        "pipeline.worker",
+        "--processes",
+        str(processes),
+        "--threads",
+        str(threads),
+    ]
+    for queue in queues:
+        argv += ["--queues", queue]
+    argv += list(dramatiq_args)
+    os.execve(sys.executable, argv, env)  # noqa: S606 - replace this process with dramatiq
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: one clear line for expected errors, never a traceback."""
     try:
@@ -94,3 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -59,6 +59,7 @@ class Settings(BaseSettings):
     redis_url: SecretStr | None = None
     schema_name: str = "pipeline"
     redis_namespace: str = "pipeline"
+    app_modules: str = ""  # comma-separated modules that register consumers
 
     # Producer
     max_payload_bytes: PositiveInt = 256 * 1024
@@ -68,6 +69,7 @@ class Settings(BaseSettings):
     batch_size: PositiveInt = 500
     max_events_per_message: PositiveInt = 100
     lease_seconds: PositiveFloat = 30.0
+    poll_interval_busy: PositiveFloat = 0.005
     poll_interval_min: PositiveFloat = 0.05
     poll_interval_max: PositiveFloat = 2.0
     reconnect_backoff_max: PositiveFloat = 10.0
@@ -75,7 +77,6 @@ class Settings(BaseSettings):
     publish_max_attempts: PositiveInt = 12
     publish_backoff_base: PositiveFloat = 0.5
     publish_backoff_max: PositiveFloat = 300.0
-    relay_busy_ttl: PositiveFloat = 5.0
 
     # Workers and inbox
     worker_timeout_ms: PositiveInt = 100
@@ -119,6 +120,15 @@ class Settings(BaseSettings):
         ):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return value
+
+    def replace(self, **changes: object) -> Settings:
+        """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
+        values = {name: getattr(self, name) for name in type(self).model_fields}
+        values.update(changes)
+        return load_settings(**values)
+
+    def app_module_names(self) -> list[str]:
+        return [name.strip() for name in self.app_modules.split(",") if name.strip()]
 
     def require_database_url(self) -> str:
         """The libpq URL (``postgresql://``), or a clear error naming the variable."""

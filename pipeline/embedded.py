@@ -286,16 +286,16 @@ def _child_pids(pid: int) -> list[int]:
 def _pid_alive(pid: int) -> bool:
     """True while pid is a live process. Zombies count as dead: orphans may never be reaped
     in containers whose init does not reap, yet they no longer hold ports or shared memory."""
-    stat = _proc_stat(pid)
-    if stat is not None:
-        return stat[0] != "Z"
+    if Path("/proc/self/stat").exists():
+        stat = _proc_stat(pid)
+        return stat is not None and stat[0] != "Z"
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return not Path("/proc/self/stat").exists()
+    return True
 
 
 def _sigkill_group(pgid: int) -> None:
@@ -356,24 +356,25 @@ class _EmbeddedServer:
         if self.is_running():
             return
         self._kill_group()  # it died on its own: reap it and any orphaned children first
-        self._prepare()
         for attempt in range(1, _PORT_ATTEMPTS + 1):
+            self._prepare()
             log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-            with self.log_path.open("ab") as log:
-                self._proc = subprocess.Popen(
-                    self._command(),
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    env=_server_env(),
-                    cwd=self._data_dir,
-                    **self._popen_kwargs(),
-                )
             try:
+                with self.log_path.open("ab") as log:
+                    self._proc = subprocess.Popen(
+                        self._command(),
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env=_server_env(),
+                        cwd=self._data_dir,
+                        **self._popen_kwargs(),
+                    )
                 self._wait_ready(self._proc, log_offset)
             except BaseException as exc:  # incl. Ctrl-C: never leave a half-started server
                 self._kill_group()
+                self._after_exit()
                 taken = "Address already in use" in self._log_since(log_offset)
                 retry = not (self._port_pinned or self._port_proven) and attempt < _PORT_ATTEMPTS
                 if isinstance(exc, ServerStartError) and taken and retry:
@@ -401,8 +402,8 @@ class _EmbeddedServer:
     def kill(self) -> None:
         """SIGKILL the server and its children, as a crash would, so recovery can be tested.
 
-        The whole process group goes: a surviving Postgres backend would still hold the old
-        shared memory and make the next start refuse to run.
+        Children go too: a surviving Postgres backend would still hold the old shared memory
+        and make the next start refuse to run.
         """
         if self._proc is None:
             return
@@ -437,6 +438,7 @@ class _EmbeddedServer:
     # -- subclass hooks ---------------------------------------------------------------------
 
     def _prepare(self) -> None:
+        """Find binaries, create/init the data dir; runs before every spawn, so idempotent."""
         raise NotImplementedError
 
     def _command(self) -> list[str]:
@@ -445,11 +447,12 @@ class _EmbeddedServer:
     def _popen_kwargs(self) -> dict[str, Any]:
         return {}
 
-    def _ping(self) -> bool:
+    def _ready(self, pid: int) -> bool:
+        """True once the server with this pid (not some other one on our port) is serving."""
         raise NotImplementedError
 
     def _after_exit(self) -> None:
-        """Hook run once the process group is gone."""
+        """Undo per-run setup once the server is gone; idempotent."""
 
     # -- internals --------------------------------------------------------------------------
 
@@ -486,7 +489,7 @@ class _EmbeddedServer:
                     f"(port {self.port}, data dir {self._data_dir}). "
                     f"{self._log_excerpt(log_offset)}"
                 )
-            if self._ping():
+            if self._ready(proc.pid):
                 return
             if time.monotonic() >= deadline:
                 raise ServerStartError(
@@ -514,9 +517,9 @@ class _EmbeddedServer:
 class EmbeddedPostgres(_EmbeddedServer):
     """A private Postgres on 127.0.0.1 with trust auth, for tests and ``pipeline demo``.
 
-    ``durable=False`` turns off fsync, synchronous_commit and full_page_writes: several
-    times faster, but a :meth:`kill` may then lose acknowledged commits, so crash tests must
-    keep the default. ``data_dir`` is used as PGDATA (initdb'd if absent or empty); when
+    ``durable=False`` turns off fsync, synchronous_commit and full_page_writes: much faster
+    commits, but a :meth:`kill` may then lose acknowledged ones, so crash tests must keep the
+    default. ``data_dir`` is used as PGDATA (initdb'd if absent or empty); when
     omitted a temporary one is made and :meth:`cleanup` deletes it. When running as root the
     server runs as ``run_as`` (default ``pipelinepg``), which must be able to reach data_dir.
     """
@@ -575,8 +578,10 @@ class EmbeddedPostgres(_EmbeddedServer):
                     "point data_dir at an empty or missing directory"
                 )
             self._initdb()
-        self._socket_dir = Path(tempfile.mkdtemp(prefix="pipeline-pgsock-"))
-        self._chown(self._socket_dir)
+        if self._socket_dir is None:
+            # Outside the data dir: unix socket paths are limited to ~100 bytes.
+            self._socket_dir = Path(tempfile.mkdtemp(prefix="pipeline-pgsock-"))
+            self._chown(self._socket_dir)
 
     def _initdb(self) -> None:
         assert self._bin_dir is not None
@@ -606,8 +611,12 @@ class EmbeddedPostgres(_EmbeddedServer):
         )
         if result.returncode != 0:
             output = (result.stdout + result.stderr).strip().splitlines()[-25:]
+            hint = ""
+            if self._run_as is not None:
+                hint = f" (it runs as {self._run_as.name!r}, which must be able to reach the dir)"
             raise ServerStartError(
-                f"initdb failed with code {result.returncode} for {data}:\n" + "\n".join(output)
+                f"initdb failed with code {result.returncode} for {data}{hint}:\n"
+                + "\n".join(output)
             )
         self.log_path.touch()
         self._chown(self.log_path)
@@ -633,11 +642,19 @@ class EmbeddedPostgres(_EmbeddedServer):
     def _popen_kwargs(self) -> dict[str, Any]:
         return self._run_as.popen_kwargs() if self._run_as is not None else {}
 
-    def _ping(self) -> bool:
+    def _ready(self, pid: int) -> bool:
+        # postmaster.pid says "ready" only after recovery, and naming our pid proves the
+        # port is ours: a connect alone could reach whoever won a free_port() race.
+        try:
+            lines = (self._data_dir / "postmaster.pid").read_text().splitlines()
+        except OSError:
+            return False
+        if len(lines) < 8 or lines[0].strip() != str(pid) or lines[7].strip() != "ready":
+            return False
         import psycopg
 
         try:
-            psycopg.connect(self.url, connect_timeout=1, autocommit=True).close()
+            psycopg.connect(self.url, connect_timeout=2, autocommit=True).close()
         except psycopg.OperationalError:
             return False
         return True
@@ -715,11 +732,34 @@ class EmbeddedRedis(_EmbeddedServer):
             command += ["--appendonly", "no"]
         return command
 
-    def _ping(self) -> bool:
+    def _ready(self, pid: int) -> bool:
+        info = self._info()
+        # INFO is answered while the AOF is still loading, hence the loading check; the pid
+        # check proves the port is ours, not whoever won a free_port() race.
+        return info.get("process_id") == str(pid) and info.get("loading") == "0"
+
+    def _info(self) -> dict[str, str]:
+        """``INFO`` over a raw socket: readiness must not depend on a client library."""
         try:
-            with socket.create_connection((_HOST, self.port), timeout=1) as sock:
-                sock.sendall(b"PING\r\n")
-                # "-LOADING" while the AOF is replayed: not ready yet.
-                return sock.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
+            # Short timeout: a stranger on our port may never answer; a miss just re-polls.
+            with socket.create_connection((_HOST, self.port), timeout=0.25) as sock:
+                sock.sendall(b"INFO\r\n")
+                data = b""
+                while b"\r\n" not in data:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        return {}
+                    data += chunk
+                header, _, body = data.partition(b"\r\n")
+                if not header.startswith(b"$"):
+                    return {}  # an error reply
+                size = int(header[1:])
+                while len(body) < size:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        return {}
+                    body += chunk
+        except (OSError, ValueError):
+            return {}
+        pairs = (line.split(":", 1) for line in body.decode("utf-8", "replace").splitlines())
+        return {pair[0]: pair[1] for pair in pairs if len(pair) == 2}

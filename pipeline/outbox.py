@@ -66,7 +66,7 @@ def add_events(session: Session, events: Sequence[NewEvent]) -> list[uuid.UUID]:
     settings = get_settings()
     rows = prepare_rows(events, settings)
     if rows:
-        session.execute(insert(outbox), rows, execution_options=_options(settings))
+        session.execute(insert(outbox), insertion_order(rows), execution_options=_options(settings))
     return [row["id"] for row in rows]
 
 
@@ -82,7 +82,9 @@ async def add_events_async(session: AsyncSession, events: Sequence[NewEvent]) ->
     settings = get_settings()
     rows = prepare_rows(events, settings)
     if rows:
-        await session.execute(insert(outbox), rows, execution_options=_options(settings))
+        await session.execute(
+            insert(outbox), insertion_order(rows), execution_options=_options(settings)
+        )
     return [row["id"] for row in rows]
 
 
@@ -95,6 +97,17 @@ def prepare_rows(events: Sequence[NewEvent], settings: Settings) -> list[dict[st
     trace_context: dict[str, str] = {}
     propagate.inject(trace_context)
     return [_row(event, index, settings, trace_context) for index, event in enumerate(events)]
+
+
+def insertion_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows stably sorted by ordering key, the order in which the insert takes key locks.
+
+    The insert trigger locks each ordering key; taking the locks in one fixed order keeps
+    two concurrent batches from deadlocking each other. Each key keeps its events' order.
+    """
+    return sorted(
+        rows, key=lambda row: (row["ordering_key"] is not None, row["ordering_key"] or "")
+    )
 
 
 def _row(

@@ -91,11 +91,10 @@ outbox = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=_now),
     Column("published_at", DateTime(timezone=True)),
     _status_check("outbox_status_check", OUTBOX_STATUSES),
-    Index("outbox_unsent_idx", "txid", "seq", postgresql_where=UNSENT),
+    Index("outbox_unsent_idx", "seq", postgresql_where=UNSENT),
     Index(
         "outbox_key_idx",
         "ordering_key",
-        "txid",
         "seq",
         postgresql_where=text("status IN ('pending', 'publishing') AND ordering_key IS NOT NULL"),
     ),

@@ -101,7 +101,9 @@ def test_postgres_corrupt_data_dir_reports_log_tail(pg: EmbeddedPostgres) -> Non
 def test_postgres_start_timeout_kills_server() -> None:
     server = EmbeddedPostgres(start_timeout=0)
     try:
-        with pytest.raises(ServerStartError, match="did not accept connections within 0s"):
+        with pytest.raises(
+            ServerStartError, match=r"did not accept connections on 127\.0\.0\.1:\d+ within 0s"
+        ):
             server.start()
         assert not server.is_running()
     finally:
@@ -117,12 +119,36 @@ def test_postgres_pinned_port_in_use(occupied_port: int) -> None:
         server.cleanup()
 
 
+def test_postgres_retries_when_auto_port_was_taken(
+    occupied_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ports = iter([occupied_port])
+    real_free_port = embedded.free_port
+    monkeypatch.setattr(embedded, "free_port", lambda: next(ports, None) or real_free_port())
+    with EmbeddedPostgres(durable=False) as server:
+        assert server.port != occupied_port
+        with psycopg.connect(server.url) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
+        assert "Address already in use" in server.log_path.read_text()
+
+
 def test_postgres_missing_binaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(BinaryNotFoundError, match="initdb does not exist"):
         EmbeddedPostgres(bin_dir=tmp_path).start()
     monkeypatch.setattr(embedded, "_postgres_bin_candidates", list)
     with pytest.raises(EmbeddedServerError, match="no usable Postgres binaries"):
         EmbeddedPostgres().start()
+
+
+def test_postgres_falls_back_to_system_binaries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(embedded, "_package_dir", lambda name: None)  # as if no pgserver wheel
+    if not embedded._postgres_bin_candidates():
+        pytest.skip("no system Postgres installed")
+    with EmbeddedPostgres(durable=False) as server:
+        assert server.bin_dir is not None
+        assert "pgserver" not in str(server.bin_dir)
+        with psycopg.connect(server.url) as conn:
+            assert conn.execute("SELECT 1").fetchone() == (1,)
 
 
 def test_redis_kill_and_restart() -> None:

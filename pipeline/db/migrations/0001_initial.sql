@@ -25,10 +25,10 @@ CREATE TABLE outbox (
     CONSTRAINT outbox_status_check
         CHECK (status IN ('pending', 'publishing', 'sent', 'dead'))
 );
--- The claim scans unsent rows in commit-safe order; the key index finds predecessors.
-CREATE INDEX outbox_unsent_idx ON outbox (txid, seq)
+-- The claim scans unsent rows in sequence order; the key index finds predecessors.
+CREATE INDEX outbox_unsent_idx ON outbox (seq)
     WHERE status IN ('pending', 'publishing');
-CREATE INDEX outbox_key_idx ON outbox (ordering_key, txid, seq)
+CREATE INDEX outbox_key_idx ON outbox (ordering_key, seq)
     WHERE status IN ('pending', 'publishing') AND ordering_key IS NOT NULL;
 CREATE INDEX outbox_published_idx ON outbox (published_at) WHERE status = 'sent';
 CREATE INDEX outbox_causation_idx ON outbox ((headers ->> 'causation_id'));

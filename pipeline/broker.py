@@ -1,0 +1,119 @@
+"""The Dramatiq broker on Redis, built from settings.
+
+``PipelineRedisBroker`` changes one thing in Dramatiq's Redis consumer: an idle
+consumer blocks on a per-queue wake-up list (pushed by the publisher together with
+each batch) instead of sleeping up to ``worker_timeout``, so an idle pipeline
+delivers at once without polling Redis hard. Undecodable messages are handed to
+:attr:`PipelineRedisBroker.undecodable_sink` and removed, instead of being stuck in
+the consumer's un-acked set.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import redis
+from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
+from dramatiq.common import compute_backoff
+from dramatiq.errors import ConnectionClosed, DecodeError
+from dramatiq.message import Message
+from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
+
+from pipeline.config import Settings
+
+log = logging.getLogger("pipeline.broker")
+
+UndecodableSink = Callable[[str, bytes, str], None]
+"""Called with (queue name, raw message bytes, reason) for a message that is not decodable."""
+
+
+def wake_key(namespace: str, queue_name: str) -> str:
+    return f"{namespace}:pipeline-wake:{queue_name}"
+
+
+def _log_undecodable(queue_name: str, data: bytes, reason: str) -> None:
+    log.error("dropped undecodable message", extra={"queue": queue_name, "reason": reason})
+
+
+class WakeableRedisConsumer(_RedisConsumer):
+    """Dramatiq's Redis consumer, waking on a wake-up list instead of sleeping blind."""
+
+    def __next__(self) -> Any:
+        try:
+            while True:
+                try:
+                    data = self.message_cache.pop(0)
+                except IndexError:
+                    if not self._fetch():
+                        return None
+                    continue
+                if data is None:
+                    continue
+                self.misses = 0
+                try:
+                    message = Message.decode(data)
+                except (DecodeError, UnicodeDecodeError, TypeError, KeyError) as exc:
+                    self._discard_undecodable(data, f"undecodable message: {exc}")
+                    continue
+                self.queued_message_ids.add(message.message_id)
+                from dramatiq.broker import MessageProxy
+
+                return MessageProxy(message)
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+
+    def _fetch(self) -> bool:
+        messages: list[Any] = []
+        if self.outstanding_message_count < self.prefetch:
+            self.message_cache = messages = self.broker.do_fetch(
+                self.queue_name, self.prefetch - self.outstanding_message_count
+            )
+        if messages:
+            return True
+        self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
+        if self.outstanding_message_count < self.prefetch:
+            timeout = max(backoff_ms / 1000, 0.01)
+            self.broker.client.blpop([wake_key(self.broker.namespace, self.queue_name)], timeout)
+        else:
+            import time
+
+            time.sleep(backoff_ms / 1000)
+        return False
+
+    def _discard_undecodable(self, data: bytes, reason: str) -> None:
+        """Hand the raw bytes to the sink, then remove them from Redis (they can never run)."""
+        self.broker.undecodable_sink(self.queue_name, data, reason)
+        acks = f"{self.broker.namespace}:__acks__.{self.broker.broker_id}.{self.queue_name}"
+        messages = f"{self.broker.namespace}:{self.queue_name}.msgs"
+        for message_id in self.broker.client.smembers(acks):
+            if self.broker.client.hget(messages, message_id) == data:
+                self.broker.do_ack(self.queue_name, message_id)
+                return
+
+
+class PipelineRedisBroker(RedisBroker):
+    undecodable_sink: UndecodableSink = staticmethod(_log_undecodable)
+
+    @property
+    def consumer_class(self) -> type[WakeableRedisConsumer]:
+        return WakeableRedisConsumer
+
+
+def make_broker(settings: Settings, middleware: list[Any] | None = None) -> PipelineRedisBroker:
+    """A broker for the configured Redis (``redis://``, ``rediss://`` TLS, or ``unix://``).
+
+    Dramatiq's Retries middleware is left out on purpose: the inbox retries with its
+    own bookkeeping (attempt history, dead letters in Postgres).
+    """
+    stack = (
+        middleware
+        if middleware is not None
+        else [AgeLimit(), TimeLimit(), ShutdownNotifications(), Callbacks(), Pipelines()]
+    )
+    return PipelineRedisBroker(  # type: ignore[no-untyped-call]
+        url=settings.require_redis_url(),
+        namespace=settings.redis_namespace,
+        middleware=stack,
+    )

@@ -1,0 +1,45 @@
+"""Named SQL queries from ``queries.sql``, rendered once per schema.
+
+Queries live in one ``.sql`` file with ``-- name: x`` headers so they can be read and
+reviewed as SQL; the schema name is spliced in as a quoted identifier, never by
+string formatting of user input.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from importlib import resources
+
+from psycopg import sql
+
+from pipeline.config import validate_identifier
+
+_HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
+
+
+@lru_cache(maxsize=1)
+def _raw_queries() -> dict[str, str]:
+    text = (resources.files("pipeline.db") / "queries.sql").read_text("utf-8")
+    parts = _HEADER.split(text)
+    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+
+
+class Queries:
+    """The named queries, each a ready-to-execute ``psycopg.sql.Composed``."""
+
+    def __init__(self, schema: str) -> None:
+        quoted = sql.Identifier(validate_identifier(schema, "schema name"))
+        self.schema = schema
+        self._rendered = {
+            name: sql.SQL(body.replace("{schema}", "{schema_ident}")).format(schema_ident=quoted)
+            for name, body in _raw_queries().items()
+        }
+
+    def __getitem__(self, name: str) -> sql.Composed:
+        return self._rendered[name]
+
+
+@lru_cache(maxsize=8)
+def queries_for(schema: str) -> Queries:
+    return Queries(schema)

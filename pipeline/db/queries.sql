@@ -1,0 +1,143 @@
+-- Named queries of the relay and the admin tools, loaded once by pipeline/db/queries.py.
+-- {schema} is replaced by the quoted schema identifier; values are %(name)s parameters.
+
+-- name: claim_lock
+-- Claims are serialised per schema (they take milliseconds), so that a claim never runs
+-- on a snapshot older than another publisher's committed claim of the same ordering key.
+-- The lock is taken in its own statement: the claim's snapshot is then taken after it.
+SELECT pg_advisory_xact_lock(hashtext('pipeline.claim.' || %(schema_name)s));
+
+-- name: claim
+-- Claim due events in sequence order. Within an ordering key, seq order is commit order
+-- (the outbox_sequence trigger numbers a key's events under a transaction lock), so a key
+-- is claimed as a run with no unsent event before it or between its parts. Expired leases
+-- are reclaimed (their publisher died).
+WITH scanned AS (
+    SELECT o.id, o.ordering_key, o.seq
+    FROM {schema}.outbox o
+    WHERE o.status IN ('pending', 'publishing')
+      AND ((o.status = 'pending' AND o.next_attempt_at <= clock_timestamp())
+           OR (o.status = 'publishing' AND o.lease_expires_at < clock_timestamp()))
+    ORDER BY o.seq
+    LIMIT %(scan_limit)s
+), placed AS (
+    SELECT s.*,
+           lag(s.seq) OVER w AS prev_seq,
+           row_number() OVER w AS run_position
+    FROM scanned s
+    WINDOW w AS (PARTITION BY s.ordering_key ORDER BY s.seq)
+), checked AS (
+    SELECT p.*,
+           p.ordering_key IS NULL OR NOT EXISTS (
+               SELECT 1 FROM {schema}.outbox b
+               WHERE b.ordering_key = p.ordering_key
+                 AND b.status IN ('pending', 'publishing')
+                 AND b.seq < p.seq
+                 AND (p.prev_seq IS NULL OR b.seq > p.prev_seq)
+           ) AS gap_free
+    FROM placed p
+), runs AS (
+    SELECT c.*,
+           bool_and(c.gap_free) OVER (PARTITION BY c.ordering_key ORDER BY c.seq) AS run_ok
+    FROM checked c
+), chosen AS (
+    SELECT r.id FROM runs r
+    WHERE (r.ordering_key IS NULL OR (r.run_ok AND r.run_position <= %(max_run)s))
+    ORDER BY r.seq
+    LIMIT %(batch_size)s
+)
+UPDATE {schema}.outbox o
+SET status = 'publishing',
+    attempts = o.attempts + 1,
+    lease_token = %(token)s,
+    lease_owner = %(owner)s,
+    lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
+FROM chosen
+WHERE o.id = chosen.id
+RETURNING o.id, o.seq, o.aggregate_type, o.aggregate_id, o.ordering_key,
+          o.event_type, o.event_version, o.payload::text, o.headers::text, o.attempts,
+          o.created_at;
+
+-- name: mark_sent
+UPDATE {schema}.outbox
+SET status = 'sent', published_at = clock_timestamp(),
+    lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL
+WHERE id = ANY(%(ids)s) AND lease_token = %(token)s AND status = 'publishing'
+RETURNING id, created_at, published_at, event_type;
+
+-- name: release
+-- Give back claimed events that were not attempted (an earlier event of their key failed).
+UPDATE {schema}.outbox
+SET status = 'pending', attempts = attempts - 1,
+    lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL
+WHERE id = ANY(%(ids)s) AND lease_token = %(token)s AND status = 'publishing';
+
+-- name: schedule_retry
+-- Failed attempts go back to pending after their jittered delay; the rest of their
+-- ordering key waits at least as long, so it does not crowd the claim's scan window.
+WITH failed AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(delays)s::float8[], %(error_classes)s::text[],
+                         %(errors)s::text[]) AS f(id, delay, error_class, error)
+), updated AS (
+    UPDATE {schema}.outbox o
+    SET status = 'pending',
+        next_attempt_at = clock_timestamp() + make_interval(secs => f.delay),
+        last_error = f.error, last_error_class = f.error_class,
+        lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL
+    FROM failed f
+    WHERE o.id = f.id AND o.lease_token = %(token)s AND o.status = 'publishing'
+    RETURNING o.id, o.ordering_key, o.seq, o.attempts, o.next_attempt_at,
+              f.error_class, f.error
+), history AS (
+    INSERT INTO {schema}.attempts (event_id, stage, attempt, error_class, error)
+    SELECT id, 'publish', attempts, error_class, error FROM updated
+)
+UPDATE {schema}.outbox later
+SET next_attempt_at = greatest(later.next_attempt_at, u.next_attempt_at)
+FROM updated u
+WHERE u.ordering_key IS NOT NULL AND later.ordering_key = u.ordering_key
+  AND later.status = 'pending' AND later.seq > u.seq;
+
+-- name: dead_letter
+-- Exhausted or permanently failing events become dead letters, with their history kept.
+WITH failed AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(reasons)s::text[], %(error_classes)s::text[],
+                         %(errors)s::text[]) AS f(id, reason, error_class, error)
+), updated AS (
+    UPDATE {schema}.outbox o
+    SET status = 'dead', last_error = f.error, last_error_class = f.error_class,
+        lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL
+    FROM failed f
+    WHERE o.id = f.id AND o.lease_token = %(token)s AND o.status = 'publishing'
+    RETURNING o.id, o.event_type, o.attempts, f.reason, f.error_class, f.error
+), history AS (
+    INSERT INTO {schema}.attempts (event_id, stage, attempt, error_class, error)
+    SELECT id, 'publish', attempts, error_class, error FROM updated
+)
+INSERT INTO {schema}.dead_letters (stage, event_id, event_type, reason, error_class, error,
+                                   attempts)
+SELECT 'publish', id, event_type, reason, error_class, error, attempts FROM updated
+RETURNING event_id, event_type;
+
+-- name: has_due_work
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.outbox
+    WHERE status IN ('pending', 'publishing')
+      AND ((status = 'pending' AND next_attempt_at <= clock_timestamp())
+           OR (status = 'publishing' AND lease_expires_at < clock_timestamp()))
+);
+
+-- name: relay_heartbeat
+INSERT INTO {schema}.relay_state (relay_id, busy, heartbeat_at, host, pid)
+VALUES (%(relay_id)s, %(busy)s, clock_timestamp(), %(host)s, %(pid)s)
+ON CONFLICT (relay_id) DO UPDATE
+SET busy = excluded.busy, heartbeat_at = excluded.heartbeat_at;
+
+-- name: relay_forget
+DELETE FROM {schema}.relay_state WHERE relay_id = %(relay_id)s;
+
+-- name: snapshot_xmax
+SELECT pg_snapshot_xmax(pg_current_snapshot())::text;
+
+-- name: horizon_passed
+SELECT pg_snapshot_xmin(pg_current_snapshot()) >= %(xmax)s::xid8;

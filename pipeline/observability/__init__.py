@@ -1,0 +1,1 @@
+"""Tracing, metrics and logging: the pipeline's observability contract."""

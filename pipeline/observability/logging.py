@@ -1,0 +1,63 @@
+"""Structured logs: JSON lines for machines, a compact format for people.
+
+Records carry the ``extra`` fields the pipeline attaches (event id, consumer,
+attempt, error class — never payloads) and the current trace and span ids.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+from typing import Any
+
+from opentelemetry import trace
+
+from pipeline.config import Settings
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", None, None).__dict__) | {"message", "asctime"}
+
+
+def _context_fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields = {k: v for k, v in record.__dict__.items() if k not in _STANDARD}
+    span = trace.get_current_span().get_span_context()
+    if span.is_valid:
+        fields.setdefault("trace_id", format(span.trace_id, "032x"))
+        fields.setdefault("span_id", format(span.span_id, "016x"))
+    return fields
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, Any] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            **_context_fields(record),
+        }
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+class ConsoleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        fields = " ".join(f"{k}={v}" for k, v in _context_fields(record).items())
+        stamp = datetime.fromtimestamp(record.created).strftime("%H:%M:%S.%f")[:-3]
+        line = f"{stamp} {record.levelname:<7} {record.name}: {record.getMessage()}"
+        line = f"{line} {fields}" if fields else line
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def configure_logging(settings: Settings) -> None:
+    """Install the configured formatter on the root logger (idempotent)."""
+    handler = logging.StreamHandler(sys.stderr)
+    formatter = JsonFormatter() if settings.log_format == "json" else ConsoleFormatter()
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(settings.log_level)

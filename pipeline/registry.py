@@ -1,0 +1,109 @@
+"""Which consumers subscribe to which event types.
+
+The relay routes each event to the queues of its subscribers, and workers run the
+consumers' handlers, so both processes import the same application modules (the
+``--app`` option or ``PIPELINE_APP_MODULES``) and thereby fill the same registry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.config import validate_identifier
+from pipeline.errors import ConfigurationError, UnknownConsumerError
+
+WILDCARD = "*"
+
+
+@dataclass(frozen=True)
+class Subscription:
+    """A consumer's name, the event types it takes, and the Dramatiq queue it listens on."""
+
+    consumer: str
+    event_types: frozenset[str]
+    queue: str
+    actor_name: str
+    options: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def accepts(self, event_type: str) -> bool:
+        return event_type in self.event_types or WILDCARD in self.event_types
+
+
+def queue_name_for(consumer: str) -> str:
+    return f"pipeline.{consumer}"
+
+
+def actor_name_for(consumer: str) -> str:
+    return f"pipeline_inbox_{consumer}"
+
+
+class Registry:
+    """A thread-safe map of consumer name to :class:`Subscription`, with a route cache."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._subscriptions: dict[str, Subscription] = {}
+        self._routes: dict[str, tuple[Subscription, ...]] = {}
+
+    def add(self, subscription: Subscription) -> None:
+        validate_identifier(subscription.consumer, "consumer name")
+        with self._lock:
+            existing = self._subscriptions.get(subscription.consumer)
+            if existing is not None and existing != subscription:
+                raise ConfigurationError(
+                    f"consumer {subscription.consumer!r} is registered twice with different "
+                    "event types or queues"
+                )
+            self._subscriptions[subscription.consumer] = subscription
+            self._routes.clear()
+
+    def subscribe(
+        self, consumer: str, event_types: Iterable[str], queue: str | None = None
+    ) -> Subscription:
+        """Register a route without a handler (e.g. a consumer served by another service)."""
+        subscription = Subscription(
+            consumer=consumer,
+            event_types=frozenset(event_types),
+            queue=queue or queue_name_for(consumer),
+            actor_name=actor_name_for(consumer),
+        )
+        self.add(subscription)
+        return subscription
+
+    def remove(self, consumer: str) -> None:
+        with self._lock:
+            self._subscriptions.pop(consumer, None)
+            self._routes.clear()
+
+    def get(self, consumer: str) -> Subscription:
+        try:
+            return self._subscriptions[consumer]
+        except KeyError:
+            raise UnknownConsumerError(f"no consumer named {consumer!r} is registered") from None
+
+    def routes_for(self, event_type: str) -> tuple[Subscription, ...]:
+        """The subscriptions that receive ``event_type``, in a stable order."""
+        routes = self._routes.get(event_type)
+        if routes is None:
+            with self._lock:
+                routes = tuple(
+                    s for _, s in sorted(self._subscriptions.items()) if s.accepts(event_type)
+                )
+                self._routes[event_type] = routes
+        return routes
+
+    def all(self) -> list[Subscription]:
+        with self._lock:
+            return [s for _, s in sorted(self._subscriptions.items())]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._subscriptions.clear()
+            self._routes.clear()
+
+
+registry = Registry()
+"""The process-wide registry that the ``@consumer`` decorator fills."""

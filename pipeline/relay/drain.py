@@ -1,0 +1,278 @@
+"""One publishing batch: claim due events, deliver them, record the outcome.
+
+Shared by the relay (inline publishing) and the publishing actor, so both paths have
+the same guarantees: a lease with a fencing token (a publisher whose lease expired
+cannot overwrite a newer claim), an event marked sent only after the broker accepted
+every copy, per-key order (a failed event holds back the rest of its key), and
+retries with full-jitter backoff ending in a dead letter with the attempt history.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psycopg
+
+from pipeline.config import Settings
+from pipeline.db.queries import queries_for
+from pipeline.envelope import OutboxEvent
+from pipeline.observability import metrics
+from pipeline.registry import Registry, Subscription
+from pipeline.relay.backoff import full_jitter
+from pipeline.relay.publisher import (
+    Delivery,
+    PermanentPublishError,
+    Publisher,
+    PublisherUnavailable,
+)
+
+log = logging.getLogger("pipeline.relay")
+MAX_ERROR_LENGTH = 2000
+
+
+@dataclass
+class BatchResult:
+    claimed: int = 0
+    sent: int = 0
+    unrouted: int = 0
+    retried: int = 0
+    released: int = 0
+    dead: int = 0
+    full: bool = False  # the claim was cut by the batch size: more work is probably due
+
+
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LENGTH]
+
+
+def plan_deliveries(
+    events: Sequence[OutboxEvent], registry: Registry, max_events_per_message: int
+) -> list[Delivery]:
+    """Group events per consumer into messages; one key's run is never split across messages.
+
+    Keeping a key's run in one message makes its delivery atomic per consumer, so no
+    later event of a key can reach a consumer while an earlier one failed to. A run
+    that failed before travels alone: a poison event then fails only its own key and
+    never again takes unrelated events down with it.
+    """
+    deliveries: list[Delivery] = []
+    per_consumer: dict[str, tuple[Subscription, dict[object, list[OutboxEvent]]]] = {}
+    for event in events:
+        for subscription in registry.routes_for(event.event_type):
+            _, units = per_consumer.setdefault(subscription.consumer, (subscription, {}))
+            unit_key: object = event.ordering_key if event.ordering_key is not None else event.id
+            units.setdefault(unit_key, []).append(event)
+    for subscription, units in per_consumer.values():
+        current: list[OutboxEvent] = []
+        for unit in units.values():
+            if unit[0].attempts > 1:  # retried: isolate it
+                deliveries.append(Delivery(subscription, unit))
+                continue
+            if current and len(current) + len(unit) > max_events_per_message:
+                deliveries.append(Delivery(subscription, current))
+                current = []
+            current.extend(unit)
+        if current:
+            deliveries.append(Delivery(subscription, current))
+    return deliveries
+
+
+class Drainer:
+    """Claims and publishes batches over one dedicated database connection."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        publisher: Publisher,
+        registry: Registry,
+        owner: str,
+        connection: psycopg.Connection[Any],
+        rng: random.Random | None = None,
+    ) -> None:
+        self.settings = settings
+        self.publisher = publisher
+        self.registry = registry
+        self.owner = owner
+        self.conn = connection
+        self.queries = queries_for(settings.schema_name)
+        self.rng = rng or random.Random()
+
+    def claim(self, limit: int | None = None) -> tuple[int, list[OutboxEvent]]:
+        """Lease up to ``limit`` due events; returns the fencing token and the events in order."""
+        token = secrets.randbits(62)
+        batch_size = limit or self.settings.batch_size
+        params = {
+            "schema_name": self.settings.schema_name,
+            "scan_limit": batch_size * 4,
+            "max_run": self.settings.max_events_per_message,
+            "batch_size": batch_size,
+            "token": token,
+            "owner": self.owner,
+            "lease_seconds": self.settings.lease_seconds,
+        }
+        with self.conn.transaction():
+            self.conn.execute(self.queries["claim_lock"], params)
+            rows = self.conn.execute(self.queries["claim"], params).fetchall()
+        events = [
+            OutboxEvent(
+                id=row[0],
+                seq=row[1],
+                aggregate_type=row[2],
+                aggregate_id=row[3],
+                ordering_key=row[4],
+                event_type=row[5],
+                event_version=row[6],
+                payload_json=row[7],
+                headers_json=row[8],
+                attempts=row[9],
+                created_at=row[10],
+            )
+            for row in rows
+        ]
+        events.sort(key=lambda e: e.seq)
+        return token, events
+
+    def run_batch(self, limit: int | None = None) -> BatchResult:
+        """Claim, deliver and settle one batch."""
+        token, events = self.claim(limit)
+        result = BatchResult(
+            claimed=len(events), full=len(events) >= (limit or self.settings.batch_size)
+        )
+        if not events:
+            return result
+        metrics.publish_batch_size.observe(len(events))
+        deliveries = plan_deliveries(events, self.registry, self.settings.max_events_per_message)
+        try:
+            failures = self._deliver(deliveries)
+        except PublisherUnavailable as exc:
+            with self.conn.transaction():
+                self.conn.execute(
+                    self.queries["release"], {"ids": [e.id for e in events], "token": token}
+                )
+            for event in events:
+                metrics.publish_failures.labels(event.event_type, type(exc).__name__).inc()
+            raise
+        self._settle(token, events, failures, result)
+        return result
+
+    def _deliver(self, deliveries: list[Delivery]) -> dict[uuid.UUID, BaseException]:
+        failures: dict[uuid.UUID, BaseException] = {}
+        outcomes = self.publisher.deliver(deliveries)
+        for delivery, outcome in zip(deliveries, outcomes, strict=True):
+            for event in delivery.events:
+                metrics.publish_attempts.labels(event.event_type).inc()
+                if outcome is not None:
+                    failures.setdefault(event.id, outcome)
+        return failures
+
+    def _settle(
+        self,
+        token: int,
+        events: list[OutboxEvent],
+        failures: dict[uuid.UUID, BaseException],
+        result: BatchResult,
+    ) -> None:
+        sent: list[uuid.UUID] = []
+        released: list[uuid.UUID] = []
+        retry: list[tuple[OutboxEvent, BaseException]] = []
+        dead: list[tuple[OutboxEvent, BaseException, str]] = []
+        blocked_keys: set[str] = set()
+        for event in events:
+            if event.ordering_key is not None and event.ordering_key in blocked_keys:
+                released.append(event.id)
+                continue
+            error = failures.get(event.id)
+            if error is None:
+                sent.append(event.id)
+                continue
+            if event.ordering_key is not None:
+                blocked_keys.add(event.ordering_key)
+            metrics.publish_failures.labels(event.event_type, type(error).__name__).inc()
+            if isinstance(error, PermanentPublishError):
+                dead.append((event, error, "permanent error"))
+            elif event.attempts >= self.settings.publish_max_attempts:
+                dead.append((event, error, f"gave up after {event.attempts} attempts"))
+            else:
+                retry.append((event, error))
+        with self.conn.transaction():
+            if sent:
+                rows = self.conn.execute(
+                    self.queries["mark_sent"], {"ids": sent, "token": token}
+                ).fetchall()
+                self._count_sent(rows, result)
+            if released:
+                self.conn.execute(self.queries["release"], {"ids": released, "token": token})
+            if retry:
+                self.conn.execute(self.queries["schedule_retry"], self._retry_params(token, retry))
+            if dead:
+                self.conn.execute(
+                    self.queries["dead_letter"],
+                    {
+                        "token": token,
+                        "ids": [e.id for e, _, _ in dead],
+                        "reasons": [reason for _, _, reason in dead],
+                        "error_classes": [type(x).__name__ for _, x, _ in dead],
+                        "errors": [_error_text(x) for _, x, _ in dead],
+                    },
+                )
+        for event, error, reason in dead:
+            metrics.dead_letters.labels("publish", event.event_type, type(error).__name__).inc()
+            log.error(
+                "event dead-lettered at publish",
+                extra={
+                    "event_id": str(event.id),
+                    "event_type": event.event_type,
+                    "reason": reason,
+                    "error_class": type(error).__name__,
+                },
+            )
+        result.released, result.retried, result.dead = len(released), len(retry), len(dead)
+
+    def _retry_params(
+        self, token: int, retry: list[tuple[OutboxEvent, BaseException]]
+    ) -> dict[str, object]:
+        return {
+            "token": token,
+            "ids": [event.id for event, _ in retry],
+            "delays": [
+                full_jitter(
+                    event.attempts,
+                    self.settings.publish_backoff_base,
+                    self.settings.publish_backoff_max,
+                    self.rng,
+                )
+                for event, _ in retry
+            ],
+            "error_classes": [type(error).__name__ for _, error in retry],
+            "errors": [_error_text(error) for _, error in retry],
+        }
+
+    def _count_sent(self, rows: list[tuple[Any, ...]], result: BatchResult) -> None:
+        result.sent = len(rows)
+        for _, created_at, published_at, event_type in rows:
+            if self.registry.routes_for(event_type):
+                metrics.events_published.labels(event_type).inc()
+            else:
+                metrics.events_unrouted.labels(event_type).inc()
+                result.unrouted += 1
+            metrics.publish_lag.labels(event_type).observe(
+                max(0.0, (published_at - created_at).total_seconds())
+            )
+
+    def drain(self, max_batches: int = 1_000_000, time_budget: float = float("inf")) -> int:
+        """Run batches until no work is due, ``max_batches`` ran, or the time budget is spent."""
+        deadline = time.monotonic() + time_budget
+        total = 0
+        for _ in range(max_batches):
+            result = self.run_batch()
+            total += result.claimed
+            if not result.full or time.monotonic() >= deadline:
+                break
+        return total

@@ -1,0 +1,132 @@
+"""The publisher port, and its Dramatiq/Redis adapter.
+
+The relay hands a publisher *deliveries*: one consumer and a run of events for it.
+Each delivery must be all-or-nothing and keep its events in order, which is what
+lets the relay keep per-key order without waiting for the broker one event at a
+time. Other transports (HTTP webhooks, NATS JetStream with dedup ids, Kafka) fit
+the same :class:`Publisher` protocol: deliver each delivery atomically and report
+an outcome per delivery.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import redis
+
+from pipeline.envelope import OutboxEvent, encode_envelope
+from pipeline.registry import Subscription
+
+
+class PermanentPublishError(Exception):
+    """Delivery can never succeed (e.g. the message is too large): dead-letter at once."""
+
+
+class PublisherUnavailable(Exception):
+    """The transport as a whole is down: no event is to blame, so no attempt is counted."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A run of events for one consumer, delivered as one unit, in order."""
+
+    subscription: Subscription
+    events: Sequence[OutboxEvent]
+
+
+class Publisher(Protocol):
+    """Delivers each :class:`Delivery` atomically; returns one outcome per delivery.
+
+    ``None`` means the broker accepted it; an exception is the reason it was not
+    (counted as a failed attempt of its events). Raising :class:`PublisherUnavailable`
+    means the transport is down: the batch is given back without counting an attempt.
+    """
+
+    def deliver(self, deliveries: Sequence[Delivery]) -> list[BaseException | None]: ...
+
+    def close(self) -> None: ...
+
+
+class DramatiqRedisPublisher:
+    """Enqueues Dramatiq messages on consumer queues, many per Redis round trip.
+
+    Each delivery becomes one Dramatiq message whose single argument is the list of
+    CloudEvents envelopes, enqueued with Dramatiq's own ``dispatch`` Lua script (so
+    workers see ordinary messages) through a Redis pipeline: one round trip per
+    batch instead of one per message.
+    """
+
+    def __init__(self, broker: Any, source: str, max_message_bytes: int = 64 * 1024 * 1024):
+        self.broker = broker
+        self.source = source
+        self.max_message_bytes = max_message_bytes
+        self._dispatch = broker.scripts["dispatch"]
+        self._wake_prefix = f"{broker.namespace}:pipeline-wake:"
+
+    def encode(self, delivery: Delivery) -> tuple[str, str]:
+        """The Redis message id and the Dramatiq message JSON of one delivery."""
+        envelopes = ",".join(encode_envelope(event, self.source) for event in delivery.events)
+        redis_id = str(uuid.uuid4())
+        subscription = delivery.subscription
+        body = (
+            f'{{"queue_name":"{subscription.queue}","actor_name":"{subscription.actor_name}",'
+            f'"args":[[{envelopes}]],"kwargs":{{}},'
+            f'"options":{{"redis_message_id":"{redis_id}"}},'
+            f'"message_id":"{uuid.uuid4()}","message_timestamp":{int(time.time() * 1000)}}}'
+        )
+        return redis_id, body
+
+    def deliver(self, deliveries: Sequence[Delivery]) -> list[BaseException | None]:
+        if not deliveries:
+            return []
+        outcomes: list[BaseException | None] = [None] * len(deliveries)
+        pipe = self.broker.client.pipeline(transaction=False)
+        sent: list[int] = []
+        queues: set[str] = set()
+        now = str(int(time.time() * 1000))
+        unpack = str(self.broker._max_unpack_size())
+        for index, delivery in enumerate(deliveries):
+            redis_id, body = self.encode(delivery)
+            if len(body) > self.max_message_bytes:
+                outcomes[index] = PermanentPublishError(
+                    f"message of {len(body)} bytes exceeds the {self.max_message_bytes}-byte limit"
+                )
+                continue
+            queue = delivery.subscription.queue
+            args = [
+                "enqueue",
+                now,
+                queue,
+                self.broker.broker_id,
+                self.broker.heartbeat_timeout,
+                self.broker.dead_message_ttl,
+                "0",
+                unpack,
+                redis_id,
+                body,
+            ]
+            self._dispatch(keys=[self.broker.namespace], args=args, client=pipe)
+            sent.append(index)
+            queues.add(queue)
+        for queue in sorted(queues):  # wake idle consumers of these queues at once
+            pipe.lpush(self._wake_prefix + queue, "1")
+            pipe.ltrim(self._wake_prefix + queue, 0, 0)
+        try:
+            results = pipe.execute(raise_on_error=False)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
+        except redis.RedisError as exc:
+            for index in sent:
+                outcomes[index] = exc
+            return outcomes
+        for index, result in zip(sent, results, strict=False):
+            if isinstance(result, BaseException):
+                outcomes[index] = result
+        return outcomes
+
+    def close(self) -> None:
+        self.broker.client.close()

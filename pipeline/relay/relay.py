@@ -1,0 +1,233 @@
+"""The relay process: wake on NOTIFY (or poll), then publish what is due.
+
+Loop states:
+
+* **idle** — blocks until a notification, a reconnect, or the adaptive poll timer
+  (fast after it found work, doubling up to ``poll_interval_max`` when idle);
+* **busy** — while it keeps finding work it polls every ``poll_interval_busy`` and
+  advertises itself as busy in ``relay_state``, so producers skip NOTIFY and its
+  database-wide commit lock;
+* **hand-off** — when a busy relay finds nothing it clears the flag, then keeps
+  polling until every transaction that could have seen the flag set has ended
+  (snapshot ``xmin`` passes the ``xmax`` taken after the flip), so no event committed
+  during the switch waits for a poll.
+
+Publishing is done inline (the fewest hops on the idle path) and, when a batch comes
+back full, also by up to ``publishers_in_flight`` Dramatiq publishing actors that
+drain the backlog in the worker processes (``mode="auto"``). ``mode="workers"``
+only dispatches actors; ``mode="inline"`` never does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, Literal
+
+import psycopg
+
+from pipeline.config import Settings
+from pipeline.db.connect import connect
+from pipeline.db.migrate import notify_channel
+from pipeline.db.queries import queries_for
+from pipeline.observability import metrics
+from pipeline.registry import Registry
+from pipeline.relay.drain import Drainer
+from pipeline.relay.listener import Listener
+from pipeline.relay.publisher import Publisher, PublisherUnavailable
+
+log = logging.getLogger("pipeline.relay")
+Mode = Literal["auto", "inline", "workers"]
+HEARTBEAT_INTERVAL = 1.0
+HANDOFF_LIMIT = 2.0
+
+
+class Waker:
+    """A wake-up signal that remembers why it was raised (notify, reconnect)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._source: str | None = None
+
+    def __call__(self, source: str) -> None:
+        with self._cond:
+            if self._source != "reconnect":  # a reconnect's catch-up sweep wins
+                self._source = source
+            self._cond.notify_all()
+
+    def wait(self, timeout: float) -> str:
+        with self._cond:
+            if self._source is None:
+                self._cond.wait(timeout)
+            source, self._source = self._source, None
+        return source or "poll"
+
+
+class Relay:
+    """Runs until ``stop`` is set; see the module docstring for the loop."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        publisher: Publisher,
+        *,
+        mode: Mode = "auto",
+        listen: bool = True,
+        dispatch: Callable[[], int] | None = None,
+        relay_id: str | None = None,
+    ) -> None:
+        if mode != "inline" and dispatch is None:
+            raise ValueError(f"mode {mode!r} needs a dispatch function for publishing actors")
+        self.settings = settings
+        self.registry = registry
+        self.publisher = publisher
+        self.mode = mode
+        self.listen = listen
+        self.dispatch = dispatch
+        self.relay_id = relay_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.queries = queries_for(settings.schema_name)
+        self.waker = Waker()
+        self.stop = threading.Event()
+        self.listener: Listener | None = None
+        self.busy = False
+        self._last_heartbeat = 0.0
+        self._conn: psycopg.Connection[Any] | None = None
+        self.cycles = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until :meth:`shutdown`; database outages are retried, never fatal."""
+        if self.listen:
+            self.listener = Listener(
+                self.settings.require_database_url(),
+                notify_channel(self.settings.schema_name),
+                self.waker,
+                self.stop,
+                self.settings.reconnect_backoff_max,
+            )
+            self.listener.start()
+        log.info("relay started", extra={"relay_id": self.relay_id, "mode": self.mode})
+        delay = 0.1
+        try:
+            while not self.stop.is_set():
+                try:
+                    self._serve()
+                except (psycopg.OperationalError, PublisherUnavailable) as exc:
+                    log.warning(
+                        "relay cannot reach Postgres or the broker; retrying",
+                        extra={"error_class": type(exc).__name__, "retry_in": delay},
+                    )
+                    self._close_connection()
+                    self.stop.wait(delay)
+                    delay = min(delay * 2, self.settings.reconnect_backoff_max)
+                else:
+                    delay = 0.1
+        finally:
+            self._forget()
+            self._close_connection()
+            if self.listener is not None:
+                self.listener.join(timeout=5)
+            log.info("relay stopped", extra={"relay_id": self.relay_id})
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.waker("shutdown")
+
+    # -- the loop --------------------------------------------------------------------------
+    def _serve(self) -> None:
+        conn = self._connection()
+        drainer = Drainer(self.settings, self.publisher, self.registry, self.relay_id, conn)
+        interval = self.settings.poll_interval_min
+        self._set_busy(conn, False, force=True)
+        while not self.stop.is_set():
+            timeout = self.settings.poll_interval_busy if self.busy else interval
+            source = self.waker.wait(timeout)
+            if self.stop.is_set():
+                break
+            metrics.relay_wakeups.labels(source).inc()
+            self.cycles += 1
+            found, backlog = self._cycle(drainer)
+            if found:
+                interval = self.settings.poll_interval_min
+                self._set_busy(conn, True)
+                if backlog and self.mode != "inline" and self.dispatch is not None:
+                    self.dispatch()
+                continue
+            if self.busy:
+                self._hand_off(conn, drainer)
+            elif conn.execute(self.queries["has_due_work"]).fetchone() == (True,):
+                interval = self.settings.poll_interval_min  # due but held back: look again soon
+            else:
+                interval = min(interval * 2, self.settings.poll_interval_max)
+
+    def _cycle(self, drainer: Drainer) -> tuple[int, bool]:
+        """Publish what is due; returns (events found, whether a backlog remains)."""
+        if self.mode == "workers":
+            due = self._connection().execute(self.queries["has_due_work"]).fetchone() == (True,)
+            if due and self.dispatch is not None:
+                self.dispatch()
+            return 0, False
+        found = 0
+        deadline = time.monotonic() + 1.0
+        while not self.stop.is_set():
+            result = drainer.run_batch()
+            found += result.claimed
+            if not result.full or time.monotonic() > deadline:
+                return found, result.full
+            if self.dispatch is not None and self.mode == "auto":
+                self.dispatch()
+        return found, False
+
+    def _hand_off(self, conn: psycopg.Connection[Any], drainer: Drainer) -> None:
+        """Clear the busy flag, then cover transactions that saw it set (module docstring)."""
+        self._set_busy(conn, False)
+        row = conn.execute(self.queries["snapshot_xmax"]).fetchone()
+        xmax = row[0] if row else "0"
+        deadline = time.monotonic() + HANDOFF_LIMIT
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            passed = conn.execute(self.queries["horizon_passed"], {"xmax": xmax}).fetchone()
+            if passed == (True,):
+                break
+            drainer.run_batch()
+            time.sleep(self.settings.poll_interval_busy)
+        drainer.run_batch()
+
+    # -- state -----------------------------------------------------------------------------
+    def _set_busy(self, conn: psycopg.Connection[Any], busy: bool, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and busy == self.busy and now - self._last_heartbeat < HEARTBEAT_INTERVAL:
+            return
+        conn.execute(
+            self.queries["relay_heartbeat"],
+            {
+                "relay_id": self.relay_id,
+                "busy": busy,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+            },
+        )
+        self.busy = busy
+        self._last_heartbeat = now
+
+    def _forget(self) -> None:
+        try:
+            with connect(self.settings, autocommit=True) as conn:
+                conn.execute(self.queries["relay_forget"], {"relay_id": self.relay_id})
+        except Exception:  # best effort: a stale row expires after 5 s anyway
+            log.debug("could not remove relay_state row", exc_info=True)
+
+    def _connection(self) -> psycopg.Connection[Any]:
+        if self._conn is None or self._conn.closed:
+            self._conn = connect(self.settings, autocommit=True)
+        return self._conn
+
+    def _close_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

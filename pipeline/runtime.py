@@ -1,0 +1,68 @@
+"""Wiring for a relay or worker process: settings -> broker, publisher, actors.
+
+Both process kinds build the same runtime from the same settings and application
+modules, so the relay's routing and the workers' actors always agree.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import dramatiq
+
+from pipeline.broker import PipelineRedisBroker, make_broker
+from pipeline.config import Settings
+from pipeline.errors import ConfigurationError
+from pipeline.registry import Registry, registry
+from pipeline.relay.actors import PublishingDispatcher, declare_publishing_actor
+from pipeline.relay.publisher import DramatiqRedisPublisher
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    registry: Registry
+    broker: PipelineRedisBroker
+    publisher: DramatiqRedisPublisher
+    publish_actor: dramatiq.Actor[Any, Any]
+    dispatcher: PublishingDispatcher
+
+    def close(self) -> None:
+        self.broker.close()
+
+
+def event_source(settings: Settings) -> str:
+    """The CloudEvents ``source`` of this pipeline's events."""
+    return f"/pipeline/{settings.schema_name}"
+
+
+def import_app_modules(names: list[str]) -> None:
+    """Import the application modules that register consumers (clear error if one is missing)."""
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigurationError(
+                f"cannot import application module {name!r} (PIPELINE_APP_MODULES / --app): {exc}"
+            ) from None
+
+
+def build_runtime(
+    settings: Settings, consumers: Registry = registry, *, set_global_broker: bool = True
+) -> Runtime:
+    import_app_modules(settings.app_module_names())
+    broker = make_broker(settings)
+    if set_global_broker:
+        dramatiq.set_broker(broker)
+    publisher = DramatiqRedisPublisher(broker, event_source(settings))
+    actor = declare_publishing_actor(broker, settings, consumers, publisher)
+    return Runtime(
+        settings=settings,
+        registry=consumers,
+        broker=broker,
+        publisher=publisher,
+        publish_actor=actor,
+        dispatcher=PublishingDispatcher(settings, broker, actor),
+    )

@@ -1,0 +1,140 @@
+"""Helpers shared by integration and chaos tests (real servers, real processes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import redis
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from pipeline import NewEvent, Settings, add_events
+from pipeline.registry import Registry
+from pipeline.relay.relay import Relay
+from pipeline.runtime import Runtime
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until truthy; fail the test (not hang) after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+        time.sleep(interval)
+
+
+def queue_messages(settings: Settings, queue: str) -> list[dict[str, Any]]:
+    """The Dramatiq messages waiting on ``queue``, in queue order, decoded."""
+    client = redis.Redis.from_url(settings.require_redis_url())
+    try:
+        key = f"{settings.redis_namespace}:{queue}"
+        ids = client.lrange(key, 0, -1)
+        if not ids:
+            return []
+        bodies = client.hmget(f"{key}.msgs", ids)
+        return [json.loads(body) for body in bodies if body is not None]
+    finally:
+        client.close()
+
+
+def queue_envelopes(settings: Settings, queue: str) -> list[dict[str, Any]]:
+    """Every envelope delivered to ``queue``, flattened in delivery order."""
+    return [env for message in queue_messages(settings, queue) for env in message["args"][0]]
+
+
+def produce(engine: Engine, events: list[NewEvent], per_transaction: int = 100) -> list[Any]:
+    ids: list[Any] = []
+    for start in range(0, len(events), per_transaction):
+        with Session(engine) as session, session.begin():
+            ids += add_events(session, events[start : start + per_transaction])
+    return ids
+
+
+@contextmanager
+def running_relay(runtime: Runtime, registry: Registry, **options: Any) -> Iterator[Relay]:
+    relay = Relay(
+        runtime.settings, registry, runtime.publisher, dispatch=runtime.dispatcher, **options
+    )
+    thread = threading.Thread(target=relay.run, name="test-relay", daemon=True)
+    thread.start()
+    try:
+        if relay.listener is not None or options.get("listen", True):
+            wait_until(lambda: relay.listener is not None and relay.listener.connected.is_set())
+        yield relay
+    finally:
+        relay.shutdown()
+        thread.join(timeout=15)
+        assert not thread.is_alive(), "relay did not stop"
+
+
+def pipeline_env(settings: Settings, app: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PIPELINE_DATABASE_URL=settings.require_database_url(),
+        PIPELINE_REDIS_URL=settings.require_redis_url(),
+        PIPELINE_REDIS_NAMESPACE=settings.redis_namespace,
+        PIPELINE_SCHEMA_NAME=settings.schema_name,
+        PIPELINE_APP_MODULES=app,
+        PYTHONPATH=str(ROOT),
+    )
+    for field in ("lease_seconds", "batch_size", "worker_timeout_ms", "poll_interval_max"):
+        env[f"PIPELINE_{field.upper()}"] = str(getattr(settings, field))
+    env.update(extra)
+    return env
+
+
+def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    handle = log.open("wb")
+    return subprocess.Popen(
+        argv, env=env, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def start_worker(
+    settings: Settings, app: str, log: Path, processes: int = 1, threads: int = 4
+) -> subprocess.Popen[bytes]:
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "worker",
+        "--processes",
+        str(processes),
+        "--threads",
+        str(threads),
+    ]
+    return start_process(argv, pipeline_env(settings, app), log)
+
+
+def start_relay(settings: Settings, app: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
+    argv = [sys.executable, "-m", "pipeline.cli", "relay", *args]
+    return start_process(argv, pipeline_env(settings, app), log)
+
+
+def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
+    """SIGTERM the main process (it stops its own children); SIGKILL the whole group."""
+    if process.poll() is None:
+        if sig == signal.SIGKILL:
+            os.killpg(process.pid, sig)
+        else:
+            os.kill(process.pid, sig)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
