@@ -19,7 +19,13 @@ from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
 from dramatiq.common import compute_backoff
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
-from dramatiq.middleware import AgeLimit, Callbacks, Pipelines, ShutdownNotifications, TimeLimit
+from dramatiq.middleware import (
+    AgeLimit,
+    Callbacks,
+    Pipelines,
+    ShutdownNotifications,
+    TimeLimit,
+)
 
 from pipeline.config import Settings
 
@@ -116,4 +122,6 @@ def make_broker(settings: Settings, middleware: list[Any] | None = None) -> Pipe
         url=settings.require_redis_url(),
         namespace=settings.redis_namespace,
         middleware=stack,
+        heartbeat_timeout=settings.broker_heartbeat_timeout_ms,
+        maintenance_chance=settings.broker_maintenance_chance,
     )

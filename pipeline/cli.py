@@ -7,12 +7,16 @@ usage errors exit 2 (click's convention). Tracebacks are kept for real bugs.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from pipeline.config import Settings, load_settings
 from pipeline.errors import PipelineError
+
+if TYPE_CHECKING:
+    from pipeline.observability.metrics import MetricsServer
+    from pipeline.runtime import Runtime
 
 
 def _settings(ctx: click.Context) -> Settings:
@@ -94,12 +98,32 @@ def _with_apps(settings: Settings, apps: tuple[str, ...]) -> Settings:
 )
 @click.option("--no-listen", is_flag=True, help="Do not LISTEN; rely on polling only.")
 @click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port of the /metrics endpoint (default PIPELINE_METRICS_PORT, 9464; 0 disables).",
+)
+@click.option(
+    "--state-metrics/--no-state-metrics",
+    default=True,
+    show_default=True,
+    help="Serve backlog, dead-letter and queue-depth gauges (one relay per deployment is enough).",
+)
 @click.pass_context
-def relay(ctx: click.Context, mode: str, no_listen: bool, apps: tuple[str, ...]) -> None:
+def relay(
+    ctx: click.Context,
+    mode: str,
+    no_listen: bool,
+    apps: tuple[str, ...],
+    metrics_port: int | None,
+    state_metrics: bool,
+) -> None:
     """Wake on NOTIFY (with a polling fallback) and publish due outbox events."""
     import signal
 
     from pipeline.db.connect import connect
+    from pipeline.observability.tracing import configure_tracing, shutdown_tracing
     from pipeline.relay.relay import Relay
     from pipeline.runtime import build_runtime
 
@@ -119,10 +143,39 @@ def relay(ctx: click.Context, mode: str, no_listen: bool, apps: tuple[str, ...])
     from pipeline.observability.logging import configure_logging
 
     configure_logging(settings)
+    configure_tracing(settings, "pipeline-relay")
+    endpoint = _relay_metrics(settings, runtime, metrics_port, state_metrics)
     try:
         server.run()
     finally:
+        if endpoint is not None:
+            endpoint.close()
         runtime.close()
+        shutdown_tracing()
+
+
+def _relay_metrics(
+    settings: Settings, runtime: Runtime, port: int | None, state_metrics: bool
+) -> MetricsServer | None:
+    """Start the relay's /metrics endpoint; a port in use disables it (delivery matters more)."""
+    import logging
+
+    from pipeline.observability.metrics import start_metrics_server
+    from pipeline.observability.state import StateCollector
+    from pipeline.relay.actors import PUBLISH_QUEUE_NAME
+
+    def queues() -> list[str]:
+        return [*(s.queue for s in runtime.registry.all()), PUBLISH_QUEUE_NAME]
+
+    collectors = [StateCollector(settings, queues)] if state_metrics else []
+    try:
+        return start_metrics_server(settings, "relay", port=port, collectors=collectors)
+    except OSError as exc:
+        logging.getLogger("pipeline.relay").error(
+            "metrics endpoint disabled: cannot listen",
+            extra={"host": settings.metrics_host, "error": str(exc)},
+        )
+        return None
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})
@@ -130,6 +183,14 @@ def relay(ctx: click.Context, mode: str, no_listen: bool, apps: tuple[str, ...])
 @click.option("--threads", "-t", type=int, default=8, show_default=True)
 @click.option("--queues", "-Q", multiple=True, help="Only consume these queues.")
 @click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
+@click.option(
+    "--metrics-port",
+    "metrics_port_option",
+    type=click.IntRange(0, 65535),
+    default=None,
+    help="Port of the workers' /metrics endpoint (default PIPELINE_WORKER_METRICS_PORT, 9465; "
+    "0 disables and runs dramatiq in place of this process).",
+)
 @click.argument("dramatiq_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def worker(
@@ -138,11 +199,14 @@ def worker(
     threads: int,
     queues: tuple[str, ...],
     apps: tuple[str, ...],
+    metrics_port_option: int | None,
     dramatiq_args: tuple[str, ...],
 ) -> None:
     """Run Dramatiq worker processes for the publishing and inbox actors.
 
-    Extra arguments are passed to the dramatiq command line.
+    This process supervises dramatiq and serves the metrics of all its worker processes
+    (prometheus_client multiprocess mode); stop it with SIGTERM. Extra arguments are
+    passed to the dramatiq command line.
     """
     import os
 
@@ -169,7 +233,93 @@ def worker(
     for queue in queues:
         argv += ["--queues", queue]
     argv += list(dramatiq_args)
-    os.execve(sys.executable, argv, env)  # noqa: S606 - replace this process with dramatiq
+    from pipeline.observability.metrics import MULTIPROC_ENV, metrics_port
+
+    port = metrics_port(settings, "worker") if metrics_port_option is None else metrics_port_option
+    if port == 0 and not env.get(MULTIPROC_ENV):
+        os.execve(sys.executable, argv, env)  # noqa: S606 - replace this process with dramatiq
+    from pipeline.observability.logging import configure_logging
+    from pipeline.observability.workers import run_dramatiq_with_metrics
+
+    configure_logging(settings)
+    ctx.exit(run_dramatiq_with_metrics(argv, env, settings, port))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option(
+    "--max-pending-age",
+    type=click.FloatRange(min=0),
+    default=300.0,
+    show_default=True,
+    help="Unhealthy when the oldest unsent event is older than this many seconds.",
+)
+@click.option(
+    "--max-dead-letters",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Unhealthy when more dead letters than this are waiting.",
+)
+@click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
+@click.pass_context
+def status(
+    ctx: click.Context,
+    as_json: bool,
+    max_pending_age: float,
+    max_dead_letters: int,
+    apps: tuple[str, ...],
+) -> None:
+    """Backlog, oldest unsent event, dead letters, relays and queue depths.
+
+    Exits 0 when healthy, 1 when not (dead letters, or the oldest unsent event older
+    than --max-pending-age) or when Postgres or Redis cannot be read.
+    """
+    import json
+
+    from pipeline.observability.status import Thresholds, format_status, read_status
+    from pipeline.relay.actors import PUBLISH_QUEUE_NAME
+    from pipeline.runtime import import_app_modules
+
+    settings = _with_apps(_settings(ctx), apps)
+    import_app_modules(settings.app_module_names())
+    from pipeline.registry import registry
+
+    queues = [*(s.queue for s in registry.all()), PUBLISH_QUEUE_NAME]
+    result = read_status(settings, queues, Thresholds(max_pending_age, max_dead_letters))
+    if as_json:
+        click.echo(json.dumps(result.as_json(), indent=2, sort_keys=True))
+    else:
+        click.echo(format_status(result))
+    ctx.exit(0 if result.healthy else 1)
+
+
+cli.add_command(__import__("pipeline.demo.cli", fromlist=["demo"]).demo)  # cheap: click only
+
+
+@cli.command("trace")
+@click.argument("event_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the lineage as JSON.")
+@click.pass_context
+def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
+    """Show an event's lineage: publishing, each consumer, dead letters, follow-up events."""
+    import json
+    import uuid
+
+    from pipeline.admin.lineage import load_lineage, render
+    from pipeline.db.connect import connect
+
+    try:
+        wanted = uuid.UUID(event_id)
+    except ValueError:
+        raise click.BadParameter(f"{event_id!r} is not an event id (a UUID)") from None
+    settings = _settings(ctx)
+    with connect(settings) as conn:
+        lineage = load_lineage(conn, settings.schema_name, wanted)
+    if as_json:
+        click.echo(json.dumps(lineage.as_json(), indent=2))
+    else:
+        click.echo("\n".join(render(lineage, settings.trace_ui_url)))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -80,6 +80,8 @@ class Settings(BaseSettings):
 
     # Workers and inbox
     worker_timeout_ms: PositiveInt = 100
+    broker_heartbeat_timeout_ms: PositiveInt = 60_000
+    broker_maintenance_chance: Annotated[int, Field(ge=0, le=1_000_000)] = 1000
     inbox_retention_seconds: PositiveInt = 7 * 24 * 3600
     consumer_max_retries: Annotated[int, Field(ge=0)] = 8
     consumer_backoff_min: PositiveFloat = 0.2
@@ -87,11 +89,14 @@ class Settings(BaseSettings):
 
     # Observability
     metrics_host: str = "127.0.0.1"
-    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464  # relay; 0 disables
+    worker_metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9465  # pipeline worker
+    metrics_multiproc_dir: str | None = None  # default: PROMETHEUS_MULTIPROC_DIR or a temp dir
+    state_metrics_interval: PositiveFloat = 5.0  # seconds between the relay's state queries
     log_format: Literal["json", "console"] = "console"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     trace_ui_url: str | None = None
-    canary_interval: PositiveFloat = 15.0
+    canary_interval: Annotated[float, Field(ge=0)] = 15.0  # seconds; 0 turns the canary off
 
     # Housekeeping
     sent_retention_seconds: PositiveInt = 7 * 24 * 3600

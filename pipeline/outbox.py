@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from opentelemetry import propagate
+from opentelemetry import context as otel_context
 from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
@@ -25,6 +25,7 @@ from pipeline.config import Settings, get_settings
 from pipeline.db.tables import SCHEMA, outbox
 from pipeline.errors import EventValidationError
 from pipeline.ids import uuid7
+from pipeline.observability.tracing import span_headers, start_create_span
 
 _EVENT_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
 _HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
@@ -93,10 +94,23 @@ def _options(settings: Settings) -> dict[str, Any]:
 
 
 def prepare_rows(events: Sequence[NewEvent], settings: Settings) -> list[dict[str, Any]]:
-    """Validate events and turn them into outbox rows (no I/O)."""
-    trace_context: dict[str, str] = {}
-    propagate.inject(trace_context)
-    return [_row(event, index, settings, trace_context) for index, event in enumerate(events)]
+    """Validate events and turn them into outbox rows (no I/O).
+
+    Once every event is valid, each gets its own ``create`` span (a child of the caller's
+    current span), and that span's context is stored in the row's headers: the event's
+    creation context, which the relay links to and the consumer continues.
+    """
+    rows = [_row(event, index, settings) for index, event in enumerate(events)]
+    parent = otel_context.get_current()
+    for row in rows:
+        headers = row["headers"]
+        span = start_create_span(
+            row["event_type"], row["id"], parent=parent, correlation_id=headers["correlation_id"]
+        )
+        headers.update(span_headers(span))
+        span.end()
+        row["headers"] = json.dumps(headers, separators=(",", ":"))
+    return rows
 
 
 def insertion_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -110,9 +124,7 @@ def insertion_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     )
 
 
-def _row(
-    event: NewEvent, index: int, settings: Settings, trace_context: Mapping[str, str]
-) -> dict[str, Any]:
+def _row(event: NewEvent, index: int, settings: Settings) -> dict[str, Any]:
     where = (
         f"event {index} ({event.event_type!r})"
         if isinstance(event.event_type, str)
@@ -126,7 +138,7 @@ def _row(
         raise EventValidationError(f"{where}: event_version must be a positive integer")
     payload = encode_payload(event.payload, settings.max_payload_bytes, where)
     event_id = event.event_id or uuid7()
-    headers = _headers(event, event_id, where, trace_context)
+    headers = _headers(event, event_id, where)
     return {
         "id": event_id,
         "aggregate_type": _optional_text(event.aggregate_type, "aggregate_type", where),
@@ -135,7 +147,7 @@ def _row(
         "event_type": event.event_type,
         "event_version": event.event_version,
         "payload": payload,
-        "headers": json.dumps(headers, separators=(",", ":")),
+        "headers": headers,  # trace context added and serialised by prepare_rows
     }
 
 
@@ -179,9 +191,7 @@ def _ordering_key(event: NewEvent, settings: Settings, where: str) -> str | None
     return f"{event.aggregate_type or ''}:{event.aggregate_id}"
 
 
-def _headers(
-    event: NewEvent, event_id: uuid.UUID, where: str, trace_context: Mapping[str, str]
-) -> dict[str, str]:
+def _headers(event: NewEvent, event_id: uuid.UUID, where: str) -> dict[str, str]:
     headers: dict[str, str] = {}
     for name, value in event.headers.items():
         if not isinstance(name, str) or not _HEADER_NAME.match(name) or name in RESERVED_HEADERS:
@@ -194,9 +204,6 @@ def _headers(
                 f"{where}: header {name!r} must be a string of <= 1024 chars"
             )
         headers[name] = value
-    for name in ("traceparent", "tracestate"):
-        if name in trace_context:
-            headers[name] = trace_context[name]
     headers["correlation_id"] = str(event.correlation_id or event_id)
     if event.causation_id is not None:
         headers["causation_id"] = str(event.causation_id)

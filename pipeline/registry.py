@@ -7,6 +7,7 @@ consumers' handlers, so both processes import the same application modules (the
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from pipeline.config import validate_identifier
 from pipeline.errors import ConfigurationError, UnknownConsumerError
 
 WILDCARD = "*"
+RESERVED_PREFIX = "pipeline."  # the pipeline's own events (the canary), unseen by "*"
 
 
 @dataclass(frozen=True)
@@ -26,10 +28,24 @@ class Subscription:
     event_types: frozenset[str]
     queue: str
     actor_name: str
-    options: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    ordered: bool = False
+    handler: Any = field(default=None, compare=False, hash=False)
+    """The consumer's definition (``pipeline.inbox.ConsumerDefinition``); None for routes only."""
 
     def accepts(self, event_type: str) -> bool:
-        return event_type in self.event_types or WILDCARD in self.event_types
+        """Exact types, or ``"*"`` for every type except the reserved ``pipeline.*`` ones."""
+        if event_type in self.event_types:
+            return True
+        return WILDCARD in self.event_types and not event_type.startswith(RESERVED_PREFIX)
+
+
+_QUEUE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,99}$")
+
+
+def validate_queue_name(queue: str) -> str:
+    if not _QUEUE.match(queue):
+        raise ConfigurationError(f"invalid queue name {queue!r}: use letters, digits and _.-")
+    return queue
 
 
 def queue_name_for(consumer: str) -> str:
@@ -52,23 +68,33 @@ class Registry:
         validate_identifier(subscription.consumer, "consumer name")
         with self._lock:
             existing = self._subscriptions.get(subscription.consumer)
-            if existing is not None and existing != subscription:
+            if existing is not None and (
+                existing != subscription or existing.handler is not subscription.handler
+            ):
                 raise ConfigurationError(
                     f"consumer {subscription.consumer!r} is registered twice with different "
-                    "event types or queues"
+                    "event types, queues or handlers"
                 )
             self._subscriptions[subscription.consumer] = subscription
             self._routes.clear()
 
     def subscribe(
-        self, consumer: str, event_types: Iterable[str], queue: str | None = None
+        self,
+        consumer: str,
+        event_types: Iterable[str],
+        queue: str | None = None,
+        *,
+        ordered: bool = False,
+        handler: Any = None,
     ) -> Subscription:
-        """Register a route without a handler (e.g. a consumer served by another service)."""
+        """Register a route; ``handler`` is None for a consumer served by another process."""
         subscription = Subscription(
             consumer=consumer,
             event_types=frozenset(event_types),
-            queue=queue or queue_name_for(consumer),
+            queue=validate_queue_name(queue or queue_name_for(consumer)),
             actor_name=actor_name_for(consumer),
+            ordered=ordered,
+            handler=handler,
         )
         self.add(subscription)
         return subscription

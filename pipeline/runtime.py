@@ -15,6 +15,8 @@ import dramatiq
 from pipeline.broker import PipelineRedisBroker, make_broker
 from pipeline.config import Settings
 from pipeline.errors import ConfigurationError
+from pipeline.inbox.actors import ProcessEngine, declare_inbox_actors
+from pipeline.observability.canary import register_canary
 from pipeline.registry import Registry, registry
 from pipeline.relay.actors import PublishingDispatcher, declare_publishing_actor
 from pipeline.relay.publisher import DramatiqRedisPublisher
@@ -28,9 +30,12 @@ class Runtime:
     publisher: DramatiqRedisPublisher
     publish_actor: dramatiq.Actor[Any, Any]
     dispatcher: PublishingDispatcher
+    engine: ProcessEngine
+    inbox_actors: dict[str, dramatiq.Actor[Any, Any]]
 
     def close(self) -> None:
         self.broker.close()
+        self.engine.dispose()
 
 
 def event_source(settings: Settings) -> str:
@@ -53,11 +58,14 @@ def build_runtime(
     settings: Settings, consumers: Registry = registry, *, set_global_broker: bool = True
 ) -> Runtime:
     import_app_modules(settings.app_module_names())
+    register_canary(consumers)
     broker = make_broker(settings)
     if set_global_broker:
         dramatiq.set_broker(broker)
     publisher = DramatiqRedisPublisher(broker, event_source(settings))
     actor = declare_publishing_actor(broker, settings, consumers, publisher)
+    engine = ProcessEngine(settings)
+    inbox_actors = declare_inbox_actors(broker, settings, consumers, engine)
     return Runtime(
         settings=settings,
         registry=consumers,
@@ -65,4 +73,6 @@ def build_runtime(
         publisher=publisher,
         publish_actor=actor,
         dispatcher=PublishingDispatcher(settings, broker, actor),
+        engine=engine,
+        inbox_actors=inbox_actors,
     )

@@ -144,6 +144,7 @@ def settings(database_url: str, redis_server_url: str, redis_namespace: str) -> 
         database_url=database_url,  # type: ignore[arg-type]
         redis_url=redis_server_url,  # type: ignore[arg-type]
         redis_namespace=redis_namespace,
+        canary_interval=0,  # tests that want the canary turn it on
     )
     configure(value)
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -82,6 +83,17 @@ def running_relay(runtime: Runtime, registry: Registry, **options: Any) -> Itera
         assert not thread.is_alive(), "relay did not stop"
 
 
+FIELDS_FOR_SUBPROCESSES = (
+    "lease_seconds",
+    "batch_size",
+    "worker_timeout_ms",
+    "poll_interval_max",
+    "broker_heartbeat_timeout_ms",
+    "broker_maintenance_chance",
+    "canary_interval",
+)
+
+
 def pipeline_env(settings: Settings, app: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -92,7 +104,7 @@ def pipeline_env(settings: Settings, app: str, **extra: str) -> dict[str, str]:
         PIPELINE_APP_MODULES=app,
         PYTHONPATH=str(ROOT),
     )
-    for field in ("lease_seconds", "batch_size", "worker_timeout_ms", "poll_interval_max"):
+    for field in FIELDS_FOR_SUBPROCESSES:
         env[f"PIPELINE_{field.upper()}"] = str(getattr(settings, field))
     env.update(extra)
     return env
@@ -106,7 +118,7 @@ def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess
 
 
 def start_worker(
-    settings: Settings, app: str, log: Path, processes: int = 1, threads: int = 4
+    settings: Settings, app: str, log: Path, processes: int = 1, threads: int = 4, **env: str
 ) -> subprocess.Popen[bytes]:
     argv = [
         sys.executable,
@@ -118,7 +130,26 @@ def start_worker(
         "--threads",
         str(threads),
     ]
-    return start_process(argv, pipeline_env(settings, app), log)
+    return start_process(argv, pipeline_env(settings, app, **env), log)
+
+
+def multiprocess_metric(directory: Path, name: str, **labels: str) -> float:
+    """Sum a metric's samples written by worker processes in ``PROMETHEUS_MULTIPROC_DIR``."""
+    from prometheus_client import CollectorRegistry
+    from prometheus_client.multiprocess import MultiProcessCollector
+
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(directory))
+    total = 0.0
+    try:
+        families = list(registry.collect())
+    except (struct.error, FileNotFoundError):  # a worker is creating or removing its file
+        return 0.0
+    for family in families:
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
 
 
 def start_relay(settings: Settings, app: str, log: Path, *args: str) -> subprocess.Popen[bytes]:

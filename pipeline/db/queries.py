@@ -18,11 +18,20 @@ from pipeline.config import validate_identifier
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
+QUERY_FILES = ("queries.sql", "inbox.sql")
+
+
 @lru_cache(maxsize=1)
 def _raw_queries() -> dict[str, str]:
-    text = (resources.files("pipeline.db") / "queries.sql").read_text("utf-8")
-    parts = _HEADER.split(text)
-    return {name: body.strip() for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+    queries: dict[str, str] = {}
+    for filename in QUERY_FILES:
+        text = (resources.files("pipeline.db") / filename).read_text("utf-8")
+        parts = _HEADER.split(text)
+        for name, body in zip(parts[1::2], parts[2::2], strict=True):
+            if name in queries:
+                raise RuntimeError(f"query {name!r} is defined twice")
+            queries[name] = body.strip()
+    return queries
 
 
 class Queries:
@@ -38,6 +47,10 @@ class Queries:
 
     def __getitem__(self, name: str) -> sql.Composed:
         return self._rendered[name]
+
+    def text(self, name: str) -> str:
+        """The query as a string, for drivers reached through SQLAlchemy's ``exec_driver_sql``."""
+        return self._rendered[name].as_string()
 
 
 @lru_cache(maxsize=8)

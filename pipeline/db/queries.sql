@@ -141,3 +141,56 @@ SELECT pg_snapshot_xmax(pg_current_snapshot())::text;
 
 -- name: horizon_passed
 SELECT pg_snapshot_xmin(pg_current_snapshot()) >= %(xmax)s::xid8;
+
+-- name: state_snapshot
+-- The state behind the relay's gauges and `pipeline status`, in one cheap statement:
+-- unsent events by status and the oldest one (both on the partial index of unsent rows;
+-- seq order is insert order), and dead letters not yet replayed, by stage.
+SELECT 'backlog' AS kind, status AS label, count(*)::float8 AS value
+FROM {schema}.outbox
+WHERE status IN ('pending', 'publishing')
+GROUP BY status
+UNION ALL
+SELECT 'oldest_pending_age', '', coalesce(extract(epoch FROM clock_timestamp() - (
+    SELECT created_at FROM {schema}.outbox
+    WHERE status IN ('pending', 'publishing')
+    ORDER BY seq
+    LIMIT 1
+)), 0)::float8
+UNION ALL
+SELECT 'dead_letters', stage, count(*)::float8
+FROM {schema}.dead_letters
+WHERE replayed_at IS NULL
+GROUP BY stage;
+
+-- name: relay_states
+SELECT relay_id, host, pid, busy,
+       extract(epoch FROM clock_timestamp() - heartbeat_at)::float8 AS heartbeat_age
+FROM {schema}.relay_state
+ORDER BY relay_id;
+
+-- name: lineage_event
+SELECT id, seq, event_type, event_version, aggregate_type, aggregate_id, ordering_key, status,
+       attempts, created_at, published_at, last_error_class, last_error,
+       headers ->> 'traceparent', headers ->> 'correlation_id', headers ->> 'causation_id'
+FROM {schema}.outbox WHERE id = %(event_id)s;
+
+-- name: lineage_children
+SELECT id FROM {schema}.outbox WHERE headers ->> 'causation_id' = %(event_id)s::text ORDER BY seq;
+
+-- name: lineage_attempts
+SELECT stage, consumer, attempt, error_class, error, occurred_at
+FROM {schema}.attempts WHERE event_id = %(event_id)s ORDER BY occurred_at, id;
+
+-- name: lineage_inbox
+SELECT consumer, status, attempts, received_at, processed_at, last_error_class
+FROM {schema}.inbox WHERE event_id = %(event_id)s ORDER BY consumer;
+
+-- name: lineage_dead_letters
+SELECT id, stage, consumer, reason, error_class, created_at
+FROM {schema}.dead_letters WHERE event_id = %(event_id)s ORDER BY id;
+
+-- name: canary_insert
+-- The end-to-end canary: a heartbeat event through the whole path (unordered, tiny).
+INSERT INTO {schema}.outbox (id, event_type, payload, headers)
+VALUES (%(id)s, %(event_type)s, %(payload)s::jsonb, %(headers)s::jsonb);

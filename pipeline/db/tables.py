@@ -109,6 +109,7 @@ inbox = Table(
     Column("event_id", UUID(as_uuid=True), nullable=False),
     Column("event_type", Text, nullable=False),
     Column("ordering_key", Text),
+    Column("seq", BigInteger),
     Column("status", Text, nullable=False),
     Column("attempts", Integer, nullable=False, server_default=text("0")),
     Column("received_at", DateTime(timezone=True), nullable=False, server_default=_now),
@@ -116,8 +117,15 @@ inbox = Table(
     Column("last_error", Text),
     Column("last_error_class", Text),
     PrimaryKeyConstraint("consumer", "event_id", name="inbox_pkey"),
-    _status_check("inbox_status_check", ("processed", "failed", "dead")),
+    _status_check("inbox_status_check", ("pending", "processed", "failed", "dead")),
     Index("inbox_processed_idx", "processed_at"),
+    Index(
+        "inbox_unfinished_idx",
+        "consumer",
+        "ordering_key",
+        "seq",
+        postgresql_where=text("status IN ('pending', 'failed')"),
+    ),
     Index("inbox_event_idx", "event_id"),
 )
 

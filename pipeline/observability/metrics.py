@@ -4,12 +4,50 @@ Names use the ``pipeline_`` prefix, base units and ``_total`` counters; labels a
 low-cardinality (event type, consumer, stage, error class, source), never ids.
 Metric objects are module-level so every process shares one set; in Dramatiq's
 multi-process workers ``prometheus_client``'s multiprocess mode aggregates them
-(``PROMETHEUS_MULTIPROC_DIR``, set up by ``pipeline worker``).
+(``PROMETHEUS_MULTIPROC_DIR``, prepared by ``pipeline worker``, whose parent process
+serves the aggregate). Gauges therefore declare how processes combine.
+
+State read from Postgres and Redis (backlog, oldest pending age, dead letters, queue
+depths) is not here: :class:`pipeline.observability.state.StateCollector` serves it,
+cached, from the relay process only.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+)
+from prometheus_client.exposition import start_http_server
+from prometheus_client.registry import Collector
+
+from pipeline.config import Settings
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from pipeline.envelope import ReceivedEvent
+
+log = logging.getLogger("pipeline.metrics")
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+Role = Literal["relay", "worker"]
+WAKEUP_SOURCES = ("notify", "poll", "reconnect")
 
 LATENCY_BUCKETS = (
     0.001,
@@ -80,3 +118,186 @@ relay_listener_reconnects = Counter(
     "pipeline_relay_listener_reconnects_total",
     "Times the relay re-established its LISTEN connection.",
 )
+
+# -- inbox (consumer side) -------------------------------------------------------------------
+inbox_processed = Counter(
+    "pipeline_inbox_processed_total",
+    "Events whose handler committed.",
+    ["consumer", "event_type"],
+)
+inbox_duplicates = Counter(
+    "pipeline_inbox_duplicates_total",
+    "Deliveries of already processed or dead-lettered events, acknowledged without running.",
+    ["consumer", "event_type"],
+)
+inbox_failures = Counter(
+    "pipeline_inbox_failures_total",
+    "Handler attempts that raised, by error class.",
+    ["consumer", "event_type", "error_class"],
+)
+inbox_retries = Counter(
+    "pipeline_inbox_retries_total",
+    "Failed handler attempts scheduled for another try.",
+    ["consumer", "event_type"],
+)
+handler_duration = Histogram(
+    "pipeline_handler_duration_seconds",
+    "Time spent in a handler attempt, successful or not.",
+    ["consumer", "event_type"],
+    buckets=LATENCY_BUCKETS,
+)
+end_to_end_latency = Histogram(
+    "pipeline_end_to_end_latency_seconds",
+    "Time from the outbox insert to the handler's commit.",
+    ["consumer", "event_type"],
+    buckets=LATENCY_BUCKETS,
+)
+
+
+def observe_end_to_end(consumer: str, event: ReceivedEvent) -> None:
+    """Record created → processed for an event (its CloudEvents ``time`` is the insert time)."""
+    try:
+        created = datetime.fromisoformat(event.time).timestamp()
+    except ValueError:
+        return
+    end_to_end_latency.labels(consumer, event.type).observe(max(0.0, time.time() - created))
+
+
+# -- end-to-end canary -----------------------------------------------------------------------
+canary_last_success = Gauge(
+    "pipeline_canary_last_success_timestamp_seconds",
+    "Unix time at which a canary event last completed the whole path (0: never).",
+    multiprocess_mode="max",
+)
+canary_latency = Histogram(
+    "pipeline_canary_latency_seconds",
+    "Created-to-processed latency of canary events that completed the whole path.",
+    buckets=LATENCY_BUCKETS,
+)
+
+
+def record_canary_success(latency_seconds: float, at: float | None = None) -> None:
+    """A canary (heartbeat) event made it from the outbox through a handler."""
+    canary_last_success.set(time.time() if at is None else at)
+    canary_latency.observe(max(0.0, latency_seconds))
+
+
+def zero_initialise(role: Role) -> None:
+    """Create the labelled series whose label values are known, so they read 0, not absent.
+
+    ``rate()`` and ``increase()`` need a series to exist before its first increment.
+    """
+    if role == "relay":
+        for source in WAKEUP_SOURCES:
+            relay_wakeups.labels(source)
+
+
+# -- exposition ------------------------------------------------------------------------------
+
+
+def multiprocess_dir() -> str | None:
+    """The multiprocess directory this process writes to, if it runs in multiprocess mode."""
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+def prepare_multiprocess_dir(settings: Settings) -> Path:
+    """Create (or empty of stale ``*.db`` files) the directory Dramatiq's processes share.
+
+    Uses ``PIPELINE_METRICS_MULTIPROC_DIR``, else an inherited ``PROMETHEUS_MULTIPROC_DIR``,
+    else a fresh temporary directory; sets ``PROMETHEUS_MULTIPROC_DIR`` in this process's
+    environment so that child processes started from now on inherit it. Only ``*.db``
+    files are removed, so pointing it at a shared directory by mistake deletes nothing
+    else. Call before any worker process starts: files left by a previous run would
+    otherwise be added to the new run's counters.
+    """
+    given = settings.metrics_multiproc_dir or os.environ.get(MULTIPROC_ENV)
+    path = Path(given) if given else Path(tempfile.mkdtemp(prefix="pipeline-metrics-"))
+    path.mkdir(parents=True, exist_ok=True)
+    for stale in path.glob("*.db"):
+        stale.unlink(missing_ok=True)
+    os.environ[MULTIPROC_ENV] = str(path)
+    return path
+
+
+def remove_multiprocess_dir(path: Path) -> None:
+    """Remove a directory :func:`prepare_multiprocess_dir` created under the temp dir."""
+    if path.parent == Path(tempfile.gettempdir()) and path.name.startswith("pipeline-metrics-"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class MetricsServer:
+    """A running ``/metrics`` endpoint; :meth:`close` stops it and closes its collectors."""
+
+    host: str
+    port: int
+    registry: CollectorRegistry
+    _server: WSGIServer
+    _collectors: list[Collector] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        for collector in self._collectors:
+            with contextlib.suppress(KeyError):
+                self.registry.unregister(collector)
+            close = getattr(collector, "close", None)
+            if callable(close):
+                close()  # e.g. the StateCollector's connections
+        self._collectors.clear()
+
+
+def metrics_port(settings: Settings, role: Role) -> int:
+    """The configured port of ``role``'s endpoint (0: disabled)."""
+    return settings.metrics_port if role == "relay" else settings.worker_metrics_port
+
+
+def start_metrics_server(
+    settings: Settings,
+    role: Role,
+    *,
+    port: int | None = None,
+    collectors: Iterable[Collector] = (),
+    multiprocess_path: str | os.PathLike[str] | None = None,
+) -> MetricsServer | None:
+    """Serve ``/metrics`` on ``settings.metrics_host`` (127.0.0.1 unless told otherwise).
+
+    ``port`` overrides the role's setting (``PIPELINE_METRICS_PORT`` for the relay,
+    ``PIPELINE_WORKER_METRICS_PORT`` for workers); 0 disables the endpoint and returns
+    ``None``. In multiprocess mode (``multiprocess_path``, else ``PROMETHEUS_MULTIPROC_DIR``)
+    the endpoint serves the aggregate of every process's files; otherwise this
+    process's default registry. ``collectors`` (e.g. the relay's ``StateCollector``) are
+    added to the served registry. A port already in use raises ``OSError``.
+    """
+    chosen = metrics_port(settings, role) if port is None else port
+    if chosen == 0:
+        return None
+    zero_initialise(role)
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # *_created: noise, never used
+    path = multiprocess_path or multiprocess_dir()
+    registry: CollectorRegistry
+    if path:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=str(path))  # type: ignore[no-untyped-call]
+    else:
+        registry = REGISTRY
+    added: list[Collector] = []
+    try:
+        for collector in collectors:
+            registry.register(collector)
+            added.append(collector)
+        server, _thread = start_http_server(chosen, addr=settings.metrics_host, registry=registry)
+    except BaseException:
+        for collector in added:
+            registry.unregister(collector)
+        raise
+    host, bound = server.server_address[:2]
+    log.info("metrics endpoint listening", extra={"role": role, "host": host, "port": bound})
+    return MetricsServer(str(host), int(bound), registry, server, added)

@@ -77,6 +77,8 @@ def declare_publishing_actor(
     """Bind the publishing actor to ``broker`` (no import-time broker side effects)."""
     local = threading.local()
     key = slots_key(settings)
+    # Stay well inside the time limit (the lease): an interrupted batch only costs a retry.
+    budget = min(ACTOR_TIME_BUDGET, settings.lease_seconds / 4)
 
     def drainer() -> Drainer:
         current: Drainer | None = getattr(local, "drainer", None)
@@ -91,18 +93,29 @@ def declare_publishing_actor(
         more = False
         try:
             worker = drainer()
-            deadline = time.monotonic() + ACTOR_TIME_BUDGET
+            deadline = time.monotonic() + budget
             while time.monotonic() < deadline:
                 result = worker.run_batch()
                 more = result.full
                 if not more:
                     break
+        except BaseException:
+            # A batch interrupted mid-statement (time limit, lost server) leaves the
+            # connection unusable: drop it so that the next message starts clean.
+            forget_drainer()
+            raise
         finally:
             if more:
                 broker.client.zadd(key, {slot: time.time() + settings.lease_seconds * 2})
                 actor.send(slot)
             else:
                 broker.client.zrem(key, slot)
+
+    def forget_drainer() -> None:
+        current: Drainer | None = getattr(local, "drainer", None)
+        local.drainer = None
+        if current is not None:
+            current.conn.close()
 
     actor: dramatiq.Actor[Any, Any] = dramatiq.Actor(
         publish_outbox,

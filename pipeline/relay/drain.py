@@ -15,6 +15,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ import psycopg
 from pipeline.config import Settings
 from pipeline.db.queries import queries_for
 from pipeline.envelope import OutboxEvent
-from pipeline.observability import metrics
+from pipeline.observability import metrics, tracing
 from pipeline.registry import Registry, Subscription
 from pipeline.relay.backoff import full_jitter
 from pipeline.relay.publisher import (
@@ -164,7 +165,14 @@ class Drainer:
 
     def _deliver(self, deliveries: list[Delivery]) -> dict[uuid.UUID, BaseException]:
         failures: dict[uuid.UUID, BaseException] = {}
-        outcomes = self.publisher.deliver(deliveries)
+        with ExitStack() as spans:  # one send span per delivery, around the pipelined call
+            sends = [
+                spans.enter_context(tracing.send_span(d.subscription.queue, d.events))
+                for d in deliveries
+            ]
+            outcomes = self.publisher.deliver(deliveries)
+            for span, outcome in zip(sends, outcomes, strict=True):
+                tracing.record_send_outcome(span, outcome)
         for delivery, outcome in zip(deliveries, outcomes, strict=True):
             for event in delivery.events:
                 metrics.publish_attempts.labels(event.event_type).inc()
@@ -207,6 +215,7 @@ class Drainer:
                     self.queries["mark_sent"], {"ids": sent, "token": token}
                 ).fetchall()
                 self._count_sent(rows, result)
+                self._expect_ordered_deliveries(events, {row[0] for row in rows})
             if released:
                 self.conn.execute(self.queries["release"], {"ids": released, "token": token})
             if retry:
@@ -234,6 +243,29 @@ class Drainer:
                 },
             )
         result.released, result.retried, result.dead = len(released), len(retry), len(dead)
+
+    def _expect_ordered_deliveries(self, events: list[OutboxEvent], sent: set[uuid.UUID]) -> None:
+        """Tell ordered consumers which events of a key are on their way (inbox 'pending')."""
+        rows = [
+            (subscription.consumer, event.id, event.event_type, event.ordering_key, event.seq)
+            for event in events
+            if event.id in sent and event.ordering_key is not None
+            for subscription in self.registry.routes_for(event.event_type)
+            if subscription.ordered
+        ]
+        if rows:
+            consumers, ids, types, keys, seqs = (list(column) for column in zip(*rows, strict=True))
+            self.conn.execute(
+                self.queries["inbox_expect"],
+                {
+                    "consumers": consumers,
+                    "event_ids": ids,
+                    "event_types": types,
+                    "ordering_keys": keys,
+                    "seqs": seqs,
+                    "statuses": ["pending"] * len(rows),
+                },
+            )
 
     def _retry_params(
         self, token: int, retry: list[tuple[OutboxEvent, BaseException]]

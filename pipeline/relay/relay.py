@@ -36,6 +36,7 @@ from pipeline.db.connect import connect
 from pipeline.db.migrate import notify_channel
 from pipeline.db.queries import queries_for
 from pipeline.observability import metrics
+from pipeline.observability.canary import emit_canary
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.relay.listener import Listener
@@ -99,6 +100,7 @@ class Relay:
         self._last_heartbeat = 0.0
         self._conn: psycopg.Connection[Any] | None = None
         self.cycles = 0
+        self._next_canary = 0.0  # the first canary goes out at start-up
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
@@ -150,6 +152,9 @@ class Relay:
             source = self.waker.wait(timeout)
             if self.stop.is_set():
                 break
+            if self.settings.canary_interval and time.monotonic() >= self._next_canary:
+                emit_canary(conn, self.settings.schema_name)
+                self._next_canary = time.monotonic() + self.settings.canary_interval
             metrics.relay_wakeups.labels(source).inc()
             self.cycles += 1
             found, backlog = self._cycle(drainer)

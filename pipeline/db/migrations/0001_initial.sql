@@ -38,6 +38,7 @@ CREATE TABLE inbox (
     event_id uuid NOT NULL,
     event_type text NOT NULL,
     ordering_key text,
+    seq bigint,
     status text NOT NULL,
     attempts integer NOT NULL DEFAULT 0,
     received_at timestamptz NOT NULL DEFAULT clock_timestamp(),
@@ -45,9 +46,12 @@ CREATE TABLE inbox (
     last_error text,
     last_error_class text,
     CONSTRAINT inbox_pkey PRIMARY KEY (consumer, event_id),
-    CONSTRAINT inbox_status_check CHECK (status IN ('processed', 'failed', 'dead'))
+    CONSTRAINT inbox_status_check CHECK (status IN ('pending', 'processed', 'failed', 'dead'))
 );
 CREATE INDEX inbox_processed_idx ON inbox (processed_at);
+-- Ordered consumers look for an earlier event of the key that is delivered but not done.
+CREATE INDEX inbox_unfinished_idx ON inbox (consumer, ordering_key, seq)
+    WHERE status IN ('pending', 'failed');
 CREATE INDEX inbox_event_idx ON inbox (event_id);
 
 CREATE TABLE attempts (

@@ -1,0 +1,292 @@
+"""End to end: producer commit → handler done, through relay, Redis and Dramatiq workers.
+
+Everything runs on this machine: a durable Postgres (fsync on) and a Redis started by
+the script (unless URLs are given), one ``pipeline relay`` process and one
+``pipeline worker`` process (2 worker processes x 8 threads by default) whose consumer
+``e2e`` does one trivial INSERT per event (``benchmarks/e2e_app.py``). Producers use the
+real API (``add_event`` in a SQLAlchemy session), one event per transaction.
+
+* ``latency``: open-loop producers offer a fixed rate (500 and 1,000 events/s by default)
+  for ``--duration`` seconds; latency = handler done (``time.time()`` in the handler) -
+  the producer's commit returning (``time.time()`` after ``commit()``); one machine, one
+  clock. A rate counts as sustained when every event is processed within 2 s of the last
+  commit.
+* ``throughput``: closed-loop producers commit as fast as they can for ``--duration``
+  seconds; throughput = events processed per second in the window.
+
+Usage: ``python benchmarks/end_to_end.py [--rates 500,1000] [--duration 10]
+[--producers 8] [--output benchmarks/results/end_to_end.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from sqlalchemy import create_engine, text
+from sqlalchemy.orm import Session
+
+from benchmarks.producer_cost import _machine, _ms, _percentile
+from pipeline.config import Settings, configure
+from pipeline.db.migrate import upgrade
+from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.outbox import add_event
+
+ROOT = Path(__file__).resolve().parent.parent
+EVENT_TYPE = "bench.e2e"
+
+
+@contextmanager
+def servers(database_url: str | None, redis_url: str | None) -> Iterator[tuple[str, str]]:
+    started: list[Any] = []
+    try:
+        if database_url is None:
+            postgres = EmbeddedPostgres(durable=True)
+            postgres.start()
+            started.append(postgres)
+            database_url = postgres.url
+        if redis_url is None:
+            redis_server = EmbeddedRedis()
+            redis_server.start()
+            started.append(redis_server)
+            redis_url = redis_server.url
+        yield database_url, redis_url
+    finally:
+        for server in reversed(started):
+            server.cleanup()
+
+
+def durability(url: str) -> dict[str, str]:
+    names = ("server_version", "fsync", "synchronous_commit", "full_page_writes", "wal_level")
+    with psycopg.connect(url) as conn:
+        return {name: str(conn.execute(f"SHOW {name}").fetchone()[0]) for name in names}
+
+
+class Pipeline:
+    """A relay and a worker process for the benchmark consumer."""
+
+    def __init__(self, settings: Settings, processes: int, threads: int, logs: Path) -> None:
+        env = dict(os.environ)
+        env.update(
+            PIPELINE_DATABASE_URL=settings.require_database_url(),
+            PIPELINE_REDIS_URL=settings.require_redis_url(),
+            PIPELINE_APP_MODULES="benchmarks.e2e_app",
+            PYTHONPATH=str(ROOT),
+            PIPELINE_LOG_LEVEL="WARNING",
+        )
+        commands = {
+            "relay": ["relay", "--metrics-port", "0"],
+            "worker": [
+                "worker",
+                "--processes",
+                str(processes),
+                "--threads",
+                str(threads),
+                "--metrics-port",
+                "0",
+            ],
+        }
+        self.processes = [
+            subprocess.Popen(
+                [sys.executable, "-m", "pipeline.cli", *command],
+                env=env,
+                stdout=(logs / f"{name}.log").open("wb"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            for name, command in commands.items()
+        ]
+
+    def stop(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def produce_one(engine: Any, committed: dict[uuid.UUID, float]) -> None:
+    with Session(engine) as session, session.begin():
+        event_id = add_event(session, EVENT_TYPE, {"n": 1, "note": "benchmark"})
+    committed[event_id] = time.time()
+
+
+def open_loop(engine: Any, rate: float, duration: float, producers: int) -> dict[uuid.UUID, float]:
+    """Offer ``rate`` events/s on a fixed schedule (late sends are not skipped)."""
+    committed: dict[uuid.UUID, float] = {}
+    total = int(rate * duration)
+    start = time.perf_counter() + 0.2
+    counter = iter(range(total))
+    lock = threading.Lock()
+
+    def run() -> None:
+        while True:
+            with lock:
+                index = next(counter, None)
+            if index is None:
+                return
+            delay = start + index / rate - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            produce_one(engine, committed)
+
+    threads = [threading.Thread(target=run) for _ in range(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return committed
+
+
+def closed_loop(engine: Any, duration: float, producers: int) -> dict[uuid.UUID, float]:
+    committed: dict[uuid.UUID, float] = {}
+    deadline = time.perf_counter() + duration
+
+    def run() -> None:
+        while time.perf_counter() < deadline:
+            produce_one(engine, committed)
+
+    threads = [threading.Thread(target=run) for _ in range(producers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return committed
+
+
+def wait_processed(engine: Any, ids: Sequence[uuid.UUID], timeout: float) -> dict[str, float]:
+    deadline = time.time() + timeout
+    done: dict[str, float] = {}
+    wanted = {str(i) for i in ids}
+    while time.time() < deadline:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT event_id::text, done_at FROM bench_e2e")).all()
+        done = {r[0]: r[1] for r in rows if r[0] in wanted}
+        if len(done) == len(wanted):
+            break
+        time.sleep(0.2)
+    return done
+
+
+def measure_rate(engine: Any, rate: float, duration: float, producers: int) -> dict[str, Any]:
+    started = time.time()
+    committed = open_loop(engine, rate, duration, producers)
+    last_commit = max(committed.values())
+    done = wait_processed(engine, list(committed), timeout=60)
+    latencies = [done[str(i)] - t for i, t in committed.items() if str(i) in done]
+    lagging = [d - last_commit for d in done.values()]
+    return {
+        "offered_events_per_s": rate,
+        "achieved_commit_rate": round(len(committed) / (last_commit - started), 1),
+        "events": len(committed),
+        "processed": len(done),
+        "sustained": len(done) == len(committed) and max(lagging, default=0) < 2.0,
+        "latency_ms": {
+            "p50": _ms(_percentile(latencies, 0.50)),
+            "p90": _ms(_percentile(latencies, 0.90)),
+            "p99": _ms(_percentile(latencies, 0.99)),
+            "max": _ms(max(latencies, default=None) if latencies else None),
+        },
+    }
+
+
+def measure_throughput(engine: Any, duration: float, producers: int) -> dict[str, Any]:
+    started = time.time()
+    committed = closed_loop(engine, duration, producers)
+    ended = time.time()
+    done = wait_processed(engine, list(committed), timeout=120)
+    window_start, window_end = started + 2, ended  # skip the ramp-up
+    in_window = sum(1 for d in done.values() if window_start <= d <= window_end)
+    finished = max(done.values(), default=ended)
+    return {
+        "producers": producers,
+        "committed": len(committed),
+        "commit_rate": round(len(committed) / (ended - started), 1),
+        "processed": len(done),
+        "processed_per_s_in_window": round(in_window / (window_end - window_start), 1),
+        "drain_seconds_after_last_commit": round(finished - ended, 2),
+        "end_to_end_per_s": round(len(done) / (finished - started), 1),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rates", default="500,1000")
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--producers", type=int, default=8)
+    parser.add_argument("--worker-processes", type=int, default=2)
+    parser.add_argument("--worker-threads", type=int, default=8)
+    parser.add_argument("--only", default="latency,throughput")
+    parser.add_argument("--database-url")
+    parser.add_argument("--redis-url")
+    parser.add_argument("--output", default=str(ROOT / "benchmarks/results/end_to_end.json"))
+    args = parser.parse_args(argv)
+    only = set(args.only.split(","))
+    logs = Path(args.output).with_suffix(".logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    with servers(args.database_url, args.redis_url) as (database_url, redis_url):
+        settings = Settings(database_url=database_url, redis_url=redis_url)  # type: ignore[arg-type]
+        configure(settings)
+        engine = create_engine(settings.sqlalchemy_url(), pool_size=args.producers + 2)
+        with engine.begin() as conn:
+            upgrade(conn, settings.schema_name)
+            conn.execute(
+                text(
+                    "CREATE TABLE IF NOT EXISTS bench_e2e"
+                    " (event_id uuid PRIMARY KEY, done_at float8)"
+                )
+            )
+        pipeline = Pipeline(settings, args.worker_processes, args.worker_threads, logs)
+        results: dict[str, Any] = {}
+        try:
+            warm = open_loop(engine, 200, 1.0, 2)
+            if len(wait_processed(engine, list(warm), timeout=60)) != len(warm):
+                raise SystemExit(f"warm-up events were not processed; see {logs}")
+            if "latency" in only:
+                results["latency"] = [
+                    measure_rate(engine, float(rate), args.duration, args.producers)
+                    for rate in args.rates.split(",")
+                ]
+            if "throughput" in only:
+                results["throughput"] = measure_throughput(engine, args.duration, args.producers)
+        finally:
+            pipeline.stop()
+            engine.dispose()
+        report = {
+            "benchmark": "end_to_end",
+            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "machine": _machine(),
+            "durability": durability(database_url),
+            "setup": {
+                "relay": "1 process, --mode auto",
+                "workers": f"{args.worker_processes} processes x {args.worker_threads} threads",
+                "producers": f"{args.producers} threads, one event per transaction",
+                "worker_timeout_ms": settings.worker_timeout_ms,
+            },
+            "results": results,
+        }
+    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

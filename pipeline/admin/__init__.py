@@ -1,0 +1,1 @@
+"""Operator tools: lineage (trace), status and dead-letter handling."""

@@ -1,0 +1,171 @@
+"""An event's lineage from the database: what ``pipeline trace EVENT_ID`` shows.
+
+Everything the pipeline did to an event is in Postgres — the outbox row, failed attempts,
+each consumer's inbox record, dead letters, and follow-up events (by causation id) — so
+an operator can follow one event, or a whole workflow, without a tracing backend. The
+trace id ties it to the distributed trace when one is exported.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+
+from pipeline.db.queries import queries_for
+from pipeline.errors import NotFoundError
+
+MAX_DEPTH = 20
+
+
+@dataclass
+class Attempt:
+    stage: str
+    consumer: str | None
+    attempt: int
+    error_class: str
+    error: str
+    at: datetime
+
+
+@dataclass
+class Delivery:
+    consumer: str
+    status: str
+    attempts: int
+    received_at: datetime
+    processed_at: datetime | None
+    last_error_class: str | None
+
+
+@dataclass
+class DeadLetter:
+    id: int
+    stage: str
+    consumer: str | None
+    reason: str
+    error_class: str
+    at: datetime
+
+
+@dataclass
+class Lineage:
+    id: uuid.UUID
+    seq: int
+    event_type: str
+    event_version: int
+    aggregate: str | None
+    ordering_key: str | None
+    status: str
+    publish_attempts: int
+    created_at: datetime
+    published_at: datetime | None
+    trace_id: str | None
+    correlation_id: str | None
+    causation_id: str | None
+    failed_attempts: list[Attempt] = field(default_factory=list)
+    deliveries: list[Delivery] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+    follow_ups: list[Lineage] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        def convert(value: Any) -> Any:
+            if isinstance(value, dict):
+                return {k: convert(v) for k, v in value.items()}
+            if isinstance(value, list):
+                return [convert(v) for v in value]
+            if isinstance(value, datetime):
+                return value.isoformat()
+            if isinstance(value, uuid.UUID):
+                return str(value)
+            return value
+
+        result: dict[str, Any] = convert(asdict(self))
+        return result
+
+
+def _trace_id(traceparent: str | None) -> str | None:
+    parts = (traceparent or "").split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+
+
+def load_lineage(
+    conn: psycopg.Connection[Any], schema: str, event_id: uuid.UUID, depth: int = 0
+) -> Lineage:
+    """The event and, recursively, the follow-up events it caused."""
+    queries = queries_for(schema)
+    params = {"event_id": event_id}
+    row = conn.execute(queries["lineage_event"], params).fetchone()
+    if row is None:
+        raise NotFoundError(f"no event {event_id} in schema {schema!r}")
+    aggregate = f"{row[4]}:{row[5]}" if row[5] is not None else None
+    lineage = Lineage(
+        id=row[0],
+        seq=row[1],
+        event_type=row[2],
+        event_version=row[3],
+        aggregate=aggregate,
+        ordering_key=row[6],
+        status=row[7],
+        publish_attempts=row[8],
+        created_at=row[9],
+        published_at=row[10],
+        trace_id=_trace_id(row[13]),
+        correlation_id=row[14],
+        causation_id=row[15],
+    )
+    lineage.failed_attempts = [
+        Attempt(*r) for r in conn.execute(queries["lineage_attempts"], params).fetchall()
+    ]
+    lineage.deliveries = [
+        Delivery(*r) for r in conn.execute(queries["lineage_inbox"], params).fetchall()
+    ]
+    lineage.dead_letters = [
+        DeadLetter(*r) for r in conn.execute(queries["lineage_dead_letters"], params).fetchall()
+    ]
+    if depth < MAX_DEPTH:
+        for (child,) in conn.execute(queries["lineage_children"], params).fetchall():
+            lineage.follow_ups.append(load_lineage(conn, schema, child, depth + 1))
+    return lineage
+
+
+def _ms(start: datetime, end: datetime | None) -> str:
+    return f"+{(end - start).total_seconds() * 1000:.1f} ms" if end is not None else "—"
+
+
+def render(lineage: Lineage, trace_ui_url: str | None = None, indent: str = "") -> list[str]:
+    """Human-readable lines: the event, its publishing, each consumer, then follow-ups."""
+    origin = lineage.created_at
+    lines = [
+        f"{indent}{lineage.event_type} v{lineage.event_version}  {lineage.id}  [{lineage.status}]",
+        f"{indent}  created    {origin.isoformat()}"
+        + (f"  aggregate {lineage.aggregate}" if lineage.aggregate else ""),
+        f"{indent}  published  {_ms(origin, lineage.published_at)}  "
+        f"after {lineage.publish_attempts} attempt(s)",
+    ]
+    if lineage.trace_id:
+        link = f"  {trace_ui_url.rstrip('/')}/trace/{lineage.trace_id}" if trace_ui_url else ""
+        lines.append(f"{indent}  trace      {lineage.trace_id}{link}")
+    for attempt in lineage.failed_attempts:
+        who = f" {attempt.consumer}" if attempt.consumer else ""
+        lines.append(
+            f"{indent}  failed     {attempt.stage}{who} attempt {attempt.attempt} "
+            f"{_ms(origin, attempt.at)}: {attempt.error_class}"
+        )
+    for delivery in lineage.deliveries:
+        lines.append(
+            f"{indent}  consumer   {delivery.consumer}: {delivery.status} "
+            f"{_ms(origin, delivery.processed_at)} ({delivery.attempts} attempt(s))"
+        )
+    for dead in lineage.dead_letters:
+        who = f" {dead.consumer}" if dead.consumer else ""
+        lines.append(
+            f"{indent}  DEAD       {dead.stage}{who} #{dead.id}: {dead.reason} ({dead.error_class})"
+        )
+    for child in lineage.follow_ups:
+        lines.append(f"{indent}  └─ caused:")
+        lines.extend(render(child, trace_ui_url, indent + "     "))
+    return lines

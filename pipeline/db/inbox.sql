@@ -1,0 +1,55 @@
+-- Named queries of the inbox (consumer side). See queries.sql for the conventions.
+
+-- name: inbox_claim
+-- Claim (consumer, event) for this attempt, in the handler's own transaction. Returns the
+-- attempt number, or no row when the event was already processed or dead-lettered (a
+-- duplicate). A concurrent copy waits on the row lock and then sees the outcome.
+INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq, status,
+                                 attempts, processed_at)
+VALUES (%(consumer)s, %(event_id)s, %(event_type)s, %(ordering_key)s, %(seq)s, 'processed', 1,
+        clock_timestamp())
+ON CONFLICT (consumer, event_id) DO UPDATE
+SET status = 'processed', attempts = i.attempts + 1, processed_at = clock_timestamp()
+WHERE i.status IN ('pending', 'failed')
+RETURNING attempts;
+
+-- name: inbox_fail
+-- Record a failed attempt (after rolling back the handler's savepoint); returns the attempt.
+WITH upserted AS (
+    INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq, status,
+                                     attempts, last_error, last_error_class)
+    VALUES (%(consumer)s, %(event_id)s, %(event_type)s, %(ordering_key)s, %(seq)s, %(status)s, 1,
+            %(error)s, %(error_class)s)
+    ON CONFLICT (consumer, event_id) DO UPDATE
+    SET status = excluded.status, attempts = i.attempts + 1,
+        last_error = excluded.last_error, last_error_class = excluded.last_error_class
+    WHERE i.status IN ('pending', 'failed')
+    RETURNING attempts
+), history AS (
+    INSERT INTO {schema}.attempts (event_id, stage, consumer, attempt, error_class, error)
+    SELECT %(event_id)s, 'consume', %(consumer)s, attempts, %(error_class)s, %(error)s
+    FROM upserted
+)
+SELECT attempts FROM upserted;
+
+-- name: inbox_dead_letter
+INSERT INTO {schema}.dead_letters (stage, event_id, consumer, event_type, queue, reason,
+                                   error_class, error, attempts, envelope, raw_message)
+VALUES ('consume', %(event_id)s, %(consumer)s, %(event_type)s, %(queue)s, %(reason)s,
+        %(error_class)s, %(error)s, %(attempts)s, %(envelope)s::jsonb, %(raw_message)s);
+
+-- name: inbox_predecessor_unfinished
+-- Ordered consumers: is an earlier event of this key delivered here but not yet done?
+SELECT EXISTS (
+    SELECT 1 FROM {schema}.inbox
+    WHERE consumer = %(consumer)s AND ordering_key = %(ordering_key)s
+      AND status IN ('pending', 'failed') AND seq < %(seq)s
+);
+
+-- name: inbox_expect
+-- The relay records deliveries to ordered consumers, so that a later event of a key can
+-- tell that an earlier one is still on its way.
+INSERT INTO {schema}.inbox (consumer, event_id, event_type, ordering_key, seq, status)
+SELECT * FROM unnest(%(consumers)s::text[], %(event_ids)s::uuid[], %(event_types)s::text[],
+                     %(ordering_keys)s::text[], %(seqs)s::bigint[], %(statuses)s::text[])
+ON CONFLICT (consumer, event_id) DO NOTHING;

@@ -1,0 +1,1 @@
+"""The demo: a realistic order workflow on an embedded pipeline (``pipeline demo``)."""

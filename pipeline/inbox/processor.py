@@ -1,0 +1,347 @@
+"""Run a consumer's handler effectively once per event (DESIGN I3, I4).
+
+One Dramatiq message carries a run of events for one consumer. They are handled in
+one database transaction with a savepoint per event, so one failure does not roll
+back its neighbours:
+
+1. claim the inbox key (consumer, event id) — no row back means a duplicate;
+2. run the handler on the same transaction (its writes, follow-up events and the
+   inbox record commit together);
+3. on an exception, roll back to the savepoint and record the failed attempt; after
+   the commit, failed events are re-sent with a jittered delay, or dead-lettered when
+   non-retryable or out of retries.
+
+Ordered consumers handle a key in sequence order: an event whose predecessor was
+delivered here but is not yet processed or dead-lettered is deferred (re-sent with a
+short delay, no attempt counted) without holding up other keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import Session
+
+from pipeline.config import Settings
+from pipeline.db.queries import queries_for
+from pipeline.envelope import EnvelopeError, ReceivedEvent, decode_envelope
+from pipeline.inbox.consumer import ConsumerDefinition
+from pipeline.inbox.context import HandlerContext
+from pipeline.inbox.upcasting import Upcasters, upcasters
+from pipeline.observability import metrics, tracing
+from pipeline.registry import Subscription
+from pipeline.relay.backoff import full_jitter
+
+log = logging.getLogger("pipeline.inbox")
+MAX_ERROR_LENGTH = 2000
+DEFER_DELAY = 0.05  # seconds before a deferred ordered event looks at its predecessor again
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LENGTH]
+
+
+@dataclass
+class Resend:
+    """Envelopes to send again after the transaction commits, and after how long."""
+
+    envelopes: list[dict[str, Any]]
+    delay: float
+
+
+@dataclass
+class Outcome:
+    processed: int = 0
+    duplicates: int = 0
+    retried: int = 0
+    deferred: int = 0
+    dead: int = 0
+    resends: list[Resend] = field(default_factory=list)
+
+
+class InboxProcessor:
+    """Handles the messages of one consumer; one instance per consumer per process."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        subscription: Subscription,
+        definition: ConsumerDefinition,
+        engine: Callable[[], Engine],
+        resend: Callable[[list[dict[str, Any]], float], None],
+        upcaster_registry: Upcasters = upcasters,
+    ) -> None:
+        self.settings = settings
+        self.subscription = subscription
+        self.definition = definition
+        self.engine = engine
+        self.resend = resend
+        self.upcasters = upcaster_registry
+        self.queries = queries_for(settings.schema_name)
+        self.max_retries = definition.retries(settings)
+        self.min_backoff, self.max_backoff = definition.backoff_bounds(settings)
+
+    # -- a message -------------------------------------------------------------------------
+    def handle(self, envelopes: Any) -> Outcome:
+        """Process one message's envelopes; re-sends and dead letters are done on return."""
+        outcome = Outcome()
+        if not isinstance(envelopes, list) or not envelopes:
+            self._dead_letter_unreadable(
+                envelopes, "message argument is not a non-empty list of CloudEvents envelopes"
+            )
+            outcome.dead += 1
+            return outcome
+        events: list[tuple[dict[str, Any], ReceivedEvent]] = []
+        for envelope in envelopes:
+            try:
+                events.append((envelope, decode_envelope(envelope)))
+            except (EnvelopeError, TypeError, ValueError) as exc:
+                self._dead_letter_unreadable(envelope, f"invalid envelope: {exc}")
+                outcome.dead += 1
+        if events:
+            # The connection must come from the session, so that the session owns (and
+            # commits) the one transaction shared by the inbox records and the handlers.
+            with Session(self.engine()) as session, session.begin():
+                self._handle_events(session, session.connection(), events, outcome)
+        for resend in outcome.resends:
+            self.resend(resend.envelopes, resend.delay)
+        return outcome
+
+    def _handle_events(
+        self,
+        session: Session,
+        connection: Connection,
+        events: Sequence[tuple[dict[str, Any], ReceivedEvent]],
+        outcome: Outcome,
+    ) -> None:
+        held: dict[str, Resend] = {}  # ordered keys waiting for an earlier event
+        for envelope, event in events:
+            key = event.ordering_key if self.subscription.ordered else None
+            if key is not None and key in held:
+                held[key].envelopes.append(envelope)
+                outcome.deferred += 1
+                continue
+            if key is not None and self._predecessor_unfinished(connection, event):
+                held[key] = Resend([envelope], DEFER_DELAY)
+                outcome.deferred += 1
+                continue
+            retry = self._handle_one(session, connection, envelope, event, outcome)
+            if retry is not None:
+                if key is not None:
+                    held[key] = retry  # later events of the key travel with the retry
+                else:
+                    outcome.resends.append(retry)
+        outcome.resends.extend(held.values())
+
+    def _predecessor_unfinished(self, connection: Connection, event: ReceivedEvent) -> bool:
+        row = connection.exec_driver_sql(
+            self.queries.text("inbox_predecessor_unfinished"),
+            {
+                "consumer": self.subscription.consumer,
+                "ordering_key": event.ordering_key,
+                "seq": event.seq,
+            },
+        ).first()
+        return bool(row and row[0])
+
+    # -- an event --------------------------------------------------------------------------
+    def _handle_one(
+        self,
+        session: Session,
+        connection: Connection,
+        envelope: dict[str, Any],
+        event: ReceivedEvent,
+        outcome: Outcome,
+    ) -> Resend | None:
+        consumer = self.subscription.consumer
+        savepoint = session.begin_nested()
+        session.connection()  # emits the SAVEPOINT now: the claim below must be inside it
+        row = connection.exec_driver_sql(
+            self.queries.text("inbox_claim"), self._key_params(event)
+        ).first()
+        if row is None:
+            savepoint.commit()
+            outcome.duplicates += 1
+            metrics.inbox_duplicates.labels(consumer, event.type).inc()
+            with tracing.process_span(event, consumer, 0) as span:
+                tracing.mark_duplicate(span)
+            return None
+        attempt = int(row[0])
+        version, data = self.upcasters.upcast(event.type, event.version, event.data)
+        current = event if version == event.version else _with_payload(event, version, data)
+        context = HandlerContext(current, session, consumer, attempt, self.subscription.queue)
+        started = time.perf_counter()
+        with tracing.process_span(event, consumer, attempt) as span:
+            try:
+                self.definition.function(current, context)
+                session.flush()
+            except Exception as exc:
+                savepoint.rollback()
+                metrics.handler_duration.labels(consumer, event.type).observe(
+                    time.perf_counter() - started
+                )
+                return self._failed(connection, envelope, event, attempt, exc, outcome, span)
+            savepoint.commit()
+        metrics.handler_duration.labels(consumer, event.type).observe(time.perf_counter() - started)
+        metrics.inbox_processed.labels(consumer, event.type).inc()
+        metrics.observe_end_to_end(consumer, event)
+        outcome.processed += 1
+        return None
+
+    def _failed(
+        self,
+        connection: Connection,
+        envelope: dict[str, Any],
+        event: ReceivedEvent,
+        attempt: int,
+        exc: Exception,
+        outcome: Outcome,
+        span: Any,
+    ) -> Resend | None:
+        """Record the failed attempt (same number the rolled-back claim had) and decide."""
+        consumer = self.subscription.consumer
+        metrics.inbox_failures.labels(consumer, event.type, type(exc).__name__).inc()
+        permanent = isinstance(exc, self.definition.non_retryable)
+        dead = permanent or attempt > self.max_retries
+        params = {
+            **self._key_params(event),
+            "error": error_text(exc),
+            "error_class": type(exc).__name__,
+            "status": "dead" if dead else "failed",
+        }
+        connection.exec_driver_sql(self.queries.text("inbox_fail"), params)
+        if dead:
+            reason = (
+                f"non-retryable {type(exc).__name__}"
+                if permanent
+                else f"gave up after {attempt} attempts"
+            )
+            self._dead_letter(event, envelope, reason, exc, attempt, connection)
+            tracing.record_dead_letter(span, reason)
+            outcome.dead += 1
+            return None
+        delay = max(self.min_backoff, full_jitter(attempt, self.min_backoff, self.max_backoff))
+        tracing.record_retry(span, exc, delay)
+        metrics.inbox_retries.labels(consumer, event.type).inc()
+        log.warning(
+            "handler failed; will retry",
+            extra={
+                "consumer": consumer,
+                "event_id": str(event.id),
+                "attempt": attempt,
+                "error_class": type(exc).__name__,
+                "retry_in": round(delay, 3),
+            },
+        )
+        outcome.retried += 1
+        return Resend([envelope], delay)
+
+    def _key_params(self, event: ReceivedEvent) -> dict[str, Any]:
+        return {
+            "consumer": self.subscription.consumer,
+            "event_id": event.id,
+            "event_type": event.type,
+            "ordering_key": event.ordering_key,
+            "seq": event.seq,
+        }
+
+    # -- dead letters ----------------------------------------------------------------------
+    def _dead_letter(
+        self,
+        event: ReceivedEvent,
+        envelope: dict[str, Any],
+        reason: str,
+        exc: BaseException,
+        attempts: int,
+        connection: Connection,
+    ) -> None:
+        connection.exec_driver_sql(
+            self.queries.text("inbox_dead_letter"),
+            {
+                "event_id": event.id,
+                "consumer": self.subscription.consumer,
+                "event_type": event.type,
+                "queue": self.subscription.queue,
+                "reason": reason,
+                "error_class": type(exc).__name__,
+                "error": error_text(exc),
+                "attempts": attempts,
+                "envelope": json.dumps(envelope),
+                "raw_message": None,
+            },
+        )
+        metrics.dead_letters.labels("consume", event.type, type(exc).__name__).inc()
+        log.error(
+            "event dead-lettered at consume",
+            extra={
+                "consumer": self.subscription.consumer,
+                "event_id": str(event.id),
+                "reason": reason,
+                "error_class": type(exc).__name__,
+            },
+        )
+
+    def _dead_letter_unreadable(self, envelope: Any, reason: str) -> None:
+        record_unreadable(
+            self.settings,
+            self.engine(),
+            self.subscription.queue,
+            reason,
+            consumer=self.subscription.consumer,
+            envelope=envelope,
+        )
+
+
+def record_unreadable(
+    settings: Settings,
+    engine: Engine,
+    queue: str,
+    reason: str,
+    *,
+    consumer: str | None = None,
+    envelope: Any = None,
+    raw: bytes | None = None,
+    event_type: str | None = None,
+) -> None:
+    """Dead-letter something that is not a processable event, keeping it for inspection."""
+    event_id = None
+    if isinstance(envelope, dict):
+        try:
+            event_id = uuid.UUID(str(envelope.get("id")))
+        except ValueError:
+            event_id = None
+    try:
+        envelope_json = json.dumps(envelope) if envelope is not None else None
+    except (TypeError, ValueError):
+        envelope_json = None
+    with engine.begin() as connection:
+        connection.exec_driver_sql(
+            queries_for(settings.schema_name).text("inbox_dead_letter"),
+            {
+                "event_id": event_id,
+                "consumer": consumer,
+                "event_type": event_type,
+                "queue": queue,
+                "reason": reason,
+                "error_class": "UnprocessableMessage",
+                "error": reason,
+                "attempts": 0,
+                "envelope": envelope_json,
+                "raw_message": raw.decode("utf-8", "backslashreplace") if raw is not None else None,
+            },
+        )
+    metrics.dead_letters.labels("consume", event_type or "unknown", "UnprocessableMessage").inc()
+    log.error("unprocessable message dead-lettered", extra={"queue": queue, "reason": reason})
+
+
+def _with_payload(event: ReceivedEvent, version: int, data: Any) -> ReceivedEvent:
+    from dataclasses import replace
+
+    return replace(event, version=version, data=data)

@@ -1,0 +1,280 @@
+"""The pipeline's state as Postgres and Redis hold it: backlog, dead letters, queue depths.
+
+One snapshot is one cheap SQL statement (``state_snapshot`` in queries.sql) plus one
+pipelined Redis round trip. :class:`StateCollector` serves it as Prometheus gauges,
+refreshed at most every ``PIPELINE_STATE_METRICS_INTERVAL`` seconds however often it
+is scraped; ``pipeline status`` reads it once. The state is the same whichever
+process reads it, so one collector per deployment is enough: ``pipeline relay``
+registers one (with several relays, aggregate with ``max``, not ``sum``).
+
+A source that cannot be read is reported by ``pipeline_state_up{source}`` = 0 and its
+gauges are left out of that scrape (never stale values that look healthy).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+import redis
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pipeline.config import Settings, redact_url
+from pipeline.db.connect import connect
+from pipeline.db.queries import queries_for
+from pipeline.errors import MigrationError, ServiceUnavailableError
+
+log = logging.getLogger("pipeline.state")
+
+BACKLOG_STATUSES = ("pending", "publishing")
+STAGES = ("publish", "consume")
+DELAY_SUFFIX = ".DQ"
+DEAD_SUFFIX = ".XQ"
+
+
+@dataclass
+class QueueDepth:
+    """Dramatiq messages (each a run of events) waiting, delayed, and dead on one queue."""
+
+    ready: int = 0
+    delayed: int = 0
+    dead: int = 0
+
+
+@dataclass
+class RelayInfo:
+    relay_id: str
+    host: str
+    pid: int
+    busy: bool
+    heartbeat_age_seconds: float
+
+
+@dataclass
+class DatabaseState:
+    backlog: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BACKLOG_STATUSES, 0))
+    oldest_pending_age_seconds: float = 0.0
+    dead_letters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+
+
+def read_database_state(conn: psycopg.Connection[Any], schema: str) -> DatabaseState:
+    """The ``state_snapshot`` query's answer (raises :class:`MigrationError` without schema)."""
+    state = DatabaseState()
+    try:
+        rows = conn.execute(queries_for(schema)["state_snapshot"]).fetchall()
+    except psycopg.errors.UndefinedTable:
+        raise MigrationError(
+            f"the pipeline schema {schema!r} is not installed: run `pipeline db upgrade`"
+        ) from None
+    for kind, label, value in rows:
+        if kind == "backlog":
+            state.backlog[label] = int(value)
+        elif kind == "oldest_pending_age":
+            state.oldest_pending_age_seconds = max(0.0, float(value))
+        elif kind == "dead_letters":
+            state.dead_letters[label] = int(value)
+    return state
+
+
+def read_relays(conn: psycopg.Connection[Any], schema: str) -> list[RelayInfo]:
+    rows = conn.execute(queries_for(schema)["relay_states"]).fetchall()
+    return [RelayInfo(r[0], r[1], int(r[2]), bool(r[3]), max(0.0, float(r[4]))) for r in rows]
+
+
+def read_queue_depths(
+    client: redis.Redis, namespace: str, queues: Iterable[str]
+) -> dict[str, QueueDepth]:
+    """Depths of Dramatiq's Redis queues: the list, its ``.DQ`` delay list, its ``.XQ`` set."""
+    names = sorted(set(queues))
+    if not names:
+        return {}
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.llen(f"{namespace}:{name}")
+        pipe.llen(f"{namespace}:{name}{DELAY_SUFFIX}")
+        pipe.zcard(f"{namespace}:{name}{DEAD_SUFFIX}")
+    results = pipe.execute()
+    return {
+        name: QueueDepth(int(results[3 * i]), int(results[3 * i + 1]), int(results[3 * i + 2]))
+        for i, name in enumerate(names)
+    }
+
+
+def discover_queues(client: redis.Redis, namespace: str, limit: int = 10_000) -> set[str]:
+    """Queues that hold messages now (their ``.msgs`` hashes), for operator commands."""
+    found: set[str] = set()
+    prefix = f"{namespace}:"
+    for index, key in enumerate(client.scan_iter(match=f"{prefix}*.msgs", count=1000)):
+        if index >= limit:
+            break
+        name = (key.decode() if isinstance(key, bytes) else str(key))[len(prefix) : -len(".msgs")]
+        for suffix in (DELAY_SUFFIX, DEAD_SUFFIX):
+            name = name.removesuffix(suffix)
+        if name and not name.startswith("__"):
+            found.add(name)
+    return found
+
+
+def redis_client(settings: Settings, timeout: float = 5.0) -> redis.Redis:
+    return redis.Redis.from_url(
+        settings.require_redis_url(), socket_timeout=timeout, socket_connect_timeout=timeout
+    )
+
+
+def redis_unavailable(settings: Settings, exc: BaseException) -> ServiceUnavailableError:
+    url = redact_url(settings.require_redis_url())
+    return ServiceUnavailableError(f"cannot use Redis at {url}: {type(exc).__name__}: {exc}")
+
+
+class StateCollector(Collector):
+    """Prometheus gauges of the pipeline's stored state, cached for ``interval`` seconds.
+
+    ``queues`` returns the Dramatiq queue names to measure (the relay passes its
+    subscriptions' queues and the publishing queue); their series exist at 0 from the
+    first scrape. Thread-safe: concurrent scrapes share one refresh.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        queues: Callable[[], Iterable[str]],
+        interval: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.queues = queues
+        self.interval = settings.state_metrics_interval if interval is None else interval
+        self.clock = clock
+        self.refreshes = 0
+        self._lock = threading.Lock()
+        self._refreshed_at: float | None = None
+        self._conn: psycopg.Connection[Any] | None = None
+        self._redis: redis.Redis | None = None
+        self._database: DatabaseState | None = None
+        self._queues: dict[str, QueueDepth] | None = None
+        self._duration = 0.0
+
+    # -- prometheus_client protocol ------------------------------------------------------------
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        """Names only, so registering does not query anything."""
+        return list(self._families())
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        with self._lock:
+            now = self.clock()
+            if self._refreshed_at is None or now - self._refreshed_at >= self.interval:
+                self._refresh()
+                self._refreshed_at = self.clock()
+            return list(self._families(filled=True))
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_database()
+            if self._redis is not None:
+                self._redis.close()
+                self._redis = None
+
+    # -- refresh -------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        """Read both sources now (tests and ``pipeline status``-like callers)."""
+        with self._lock:
+            self._refresh()
+            self._refreshed_at = self.clock()
+
+    def _refresh(self) -> None:
+        started = time.perf_counter()
+        self.refreshes += 1
+        self._database = self._read_database()
+        self._queues = self._read_queues()
+        self._duration = time.perf_counter() - started
+
+    def _read_database(self) -> DatabaseState | None:
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = connect(self.settings, autocommit=True)
+                self._conn.execute("SET statement_timeout = '5s'")
+            return read_database_state(self._conn, self.settings.schema_name)
+        except (psycopg.Error, ServiceUnavailableError, MigrationError) as exc:
+            log.warning("state metrics: Postgres unreadable", extra={"error_class": _name(exc)})
+            self._close_database()
+            return None
+
+    def _read_queues(self) -> dict[str, QueueDepth] | None:
+        try:
+            if self._redis is None:
+                self._redis = redis_client(self.settings, timeout=2.0)
+            return read_queue_depths(self._redis, self.settings.redis_namespace, self.queues())
+        except redis.RedisError as exc:
+            log.warning("state metrics: Redis unreadable", extra={"error_class": _name(exc)})
+            return None
+
+    def _close_database(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
+
+    # -- families ------------------------------------------------------------------------------
+    def _families(self, filled: bool = False) -> Iterator[GaugeMetricFamily]:
+        database = self._database if filled else None
+        queues = self._queues if filled else None
+        up = GaugeMetricFamily(
+            "pipeline_state_up",
+            "1 if the last state refresh could read the source (postgres, redis).",
+            labels=["source"],
+        )
+        duration = GaugeMetricFamily(
+            "pipeline_state_refresh_duration_seconds",
+            "Time the last state refresh took (one SQL statement, one Redis round trip).",
+        )
+        backlog = GaugeMetricFamily(
+            "pipeline_outbox_backlog",
+            "Outbox events not yet sent, by status (pending, publishing).",
+            labels=["status"],
+        )
+        oldest = GaugeMetricFamily(
+            "pipeline_outbox_oldest_pending_age_seconds",
+            "Age of the oldest outbox event not yet sent (0 when none).",
+        )
+        dead = GaugeMetricFamily(
+            "pipeline_dead_letters_waiting",
+            "Dead letters not yet replayed, by stage (publish, consume).",
+            labels=["stage"],
+        )
+        depth = GaugeMetricFamily(
+            "pipeline_queue_depth",
+            "Dramatiq messages waiting on a queue (each carries a run of events).",
+            labels=["queue"],
+        )
+        dlq = GaugeMetricFamily(
+            "pipeline_dead_letter_queue_depth",
+            "Messages in Dramatiq's dead-letter set of a queue (<namespace>:<queue>.XQ).",
+            labels=["queue"],
+        )
+        if filled:
+            up.add_metric(["postgres"], 1.0 if database is not None else 0.0)
+            up.add_metric(["redis"], 1.0 if queues is not None else 0.0)
+            duration.add_metric([], self._duration)
+        if database is not None:
+            for status, count in database.backlog.items():
+                backlog.add_metric([status], count)
+            oldest.add_metric([], database.oldest_pending_age_seconds)
+            for stage, count in database.dead_letters.items():
+                dead.add_metric([stage], count)
+        if queues is not None:
+            for name, value in queues.items():
+                depth.add_metric([name], value.ready)
+                depth.add_metric([name + DELAY_SUFFIX], value.delayed)
+                dlq.add_metric([name], value.dead)
+        yield from (up, duration, backlog, oldest, dead, depth, dlq)
+
+
+def _name(exc: BaseException) -> str:
+    return type(exc).__name__

@@ -1,0 +1,129 @@
+"""``pipeline status``: one read of the pipeline's state, judged against thresholds.
+
+Healthy means: no dead letters (publish or consume stage, not yet replayed), nothing
+in Dramatiq's dead-letter sets, and the oldest unsent event younger than the
+threshold. Relays are listed, not judged: an idle relay refreshes its heartbeat only
+when its busy flag changes, so heartbeat age is informational.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psycopg
+import redis
+
+from pipeline.config import Settings
+from pipeline.db.connect import _describe, connect
+from pipeline.errors import ServiceUnavailableError
+from pipeline.observability.state import (
+    QueueDepth,
+    RelayInfo,
+    discover_queues,
+    read_database_state,
+    read_queue_depths,
+    read_relays,
+    redis_client,
+    redis_unavailable,
+)
+
+
+@dataclass
+class Thresholds:
+    max_pending_age_seconds: float = 300.0
+    max_dead_letters: int = 0
+
+
+@dataclass
+class Status:
+    healthy: bool
+    problems: list[str]
+    backlog: dict[str, int]
+    oldest_pending_age_seconds: float
+    dead_letters: dict[str, int]
+    relays: list[RelayInfo]
+    queues: dict[str, QueueDepth] | None = field(default=None)
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["oldest_pending_age_seconds"] = round(self.oldest_pending_age_seconds, 3)
+        for relay in data["relays"]:
+            relay["heartbeat_age_seconds"] = round(relay["heartbeat_age_seconds"], 3)
+        return data
+
+
+def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -> Status:
+    """Read Postgres (and Redis, when configured) once; raises PipelineError subclasses."""
+    url = settings.require_database_url()
+    with connect(settings, autocommit=True) as conn:
+        try:
+            conn.execute("SET statement_timeout = '10s'")
+            database = read_database_state(conn, settings.schema_name)
+            relays = read_relays(conn, settings.schema_name)
+        except psycopg.OperationalError as exc:
+            raise ServiceUnavailableError(
+                f"cannot use Postgres at {_describe(url)}: {type(exc).__name__}"
+            ) from None
+    depths: dict[str, QueueDepth] | None = None
+    if settings.redis_url is not None:
+        client = redis_client(settings)
+        try:
+            known = set(queues) | discover_queues(client, settings.redis_namespace)
+            depths = read_queue_depths(client, settings.redis_namespace, known)
+        except redis.RedisError as exc:
+            raise redis_unavailable(settings, exc) from None
+        finally:
+            client.close()
+    problems: list[str] = []
+    dead_total = sum(database.dead_letters.values())
+    if dead_total > thresholds.max_dead_letters:
+        stages = ", ".join(f"{n} at {s}" for s, n in database.dead_letters.items() if n)
+        problems.append(f"{dead_total} dead letters ({stages}): see `pipeline dlq list`")
+    if database.oldest_pending_age_seconds > thresholds.max_pending_age_seconds:
+        problems.append(
+            f"oldest unsent event is {database.oldest_pending_age_seconds:.0f}s old "
+            f"(threshold {thresholds.max_pending_age_seconds:.0f}s)"
+        )
+    for name, depth in sorted((depths or {}).items()):
+        if depth.dead:
+            problems.append(f"{depth.dead} messages in Dramatiq's dead-letter set of {name}")
+    return Status(
+        healthy=not problems,
+        problems=problems,
+        backlog=database.backlog,
+        oldest_pending_age_seconds=database.oldest_pending_age_seconds,
+        dead_letters=database.dead_letters,
+        relays=relays,
+        queues=depths,
+    )
+
+
+def format_status(status: Status) -> str:
+    """The human-readable report."""
+    lines = [f"pipeline: {'healthy' if status.healthy else 'UNHEALTHY'}"]
+    lines += [f"  problem: {problem}" for problem in status.problems]
+    backlog = ", ".join(f"{k} {v}" for k, v in status.backlog.items())
+    lines.append(f"outbox backlog: {backlog}")
+    lines.append(f"oldest unsent event: {status.oldest_pending_age_seconds:.1f}s")
+    dead = ", ".join(f"{k} {v}" for k, v in status.dead_letters.items())
+    lines.append(f"dead letters: {dead}")
+    if status.relays:
+        lines.append("relays:")
+        for relay in status.relays:
+            state = "busy" if relay.busy else "idle"
+            lines.append(
+                f"  {relay.relay_id} ({relay.host} pid {relay.pid}): {state}, "
+                f"heartbeat {relay.heartbeat_age_seconds:.1f}s ago"
+            )
+    else:
+        lines.append("relays: none running")
+    if status.queues is None:
+        lines.append("queues: PIPELINE_REDIS_URL not set")
+    elif status.queues:
+        lines.append("queues (messages ready / delayed / dead):")
+        for name, depth in sorted(status.queues.items()):
+            lines.append(f"  {name}: {depth.ready} / {depth.delayed} / {depth.dead}")
+    else:
+        lines.append("queues: none known")
+    return "\n".join(lines)

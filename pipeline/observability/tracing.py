@@ -1,0 +1,372 @@
+"""Tracing port: OpenTelemetry spans following the messaging semantic conventions.
+
+One workflow is one trace::
+
+    app span ─▶ create order.placed (PRODUCER, context stored in the outbox row)
+                   │                      ╲ link
+                   │                 send pipeline.billing (CLIENT, one per delivery,
+                   │                      a link to each event's creation context)
+                   ▼
+                process order.placed (CONSUMER, parented on the creation context)
+                   └─▶ create order.paid (follow-up event) ─▶ …
+
+Span kinds follow the conventions' table: ``create`` is the PRODUCER span whose
+context travels with the message; a ``send`` span whose context is *not* the
+creation context is a CLIENT span (so producer→consumer edges in trace tools always
+join a PRODUCER to a CONSUMER span); ``process`` is a CONSUMER span.
+
+The creation context travels as W3C ``traceparent``/``tracestate`` (the CloudEvents
+distributed-tracing extension), whatever global propagator the application set.
+
+Library code only uses ``trace.get_tracer("pipeline")``: without a configured
+``TracerProvider`` every span is a no-op and the caller's own context (if any) is
+still propagated. :func:`configure_tracing` sets up the SDK from ``OTEL_*``
+variables for the pipeline's own processes. Payloads never become attributes (I6),
+and neither do exception messages: errors are recorded by class only.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from pipeline.config import Settings
+from pipeline.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from pipeline.envelope import OutboxEvent, ReceivedEvent
+
+log = logging.getLogger("pipeline.tracing")
+
+TRACER_NAME = "pipeline"
+MESSAGING_SYSTEM = "dramatiq"
+SEND_SPAN_KIND = SpanKind.CLIENT  # the send span's context is not the creation context
+
+# Attribute names (OpenTelemetry messaging semantic conventions, plus pipeline.*).
+SYSTEM = "messaging.system"
+OPERATION_TYPE = "messaging.operation.type"
+OPERATION_NAME = "messaging.operation.name"
+DESTINATION = "messaging.destination.name"
+MESSAGE_ID = "messaging.message.id"
+CONVERSATION_ID = "messaging.message.conversation_id"
+BATCH_COUNT = "messaging.batch.message_count"
+CONSUMER_GROUP = "messaging.consumer.group.name"
+ERROR_TYPE = "error.type"
+ATTEMPT = "pipeline.attempt"
+DUPLICATE = "pipeline.duplicate"
+DEAD_LETTERED = "pipeline.dead_lettered"
+
+_W3C = TraceContextTextMapPropagator()
+
+
+@functools.cache
+def _tracer() -> trace.Tracer:
+    # The SDK builds a new Tracer per get_tracer call (tens of microseconds); the API's
+    # proxy tracer resolves to whatever provider is installed, even one installed later.
+    return trace.get_tracer(TRACER_NAME)
+
+
+def _links_wanted() -> bool:
+    """Whether a real provider is installed (a no-op tracer ignores links: skip the work)."""
+    return not isinstance(
+        trace.get_tracer_provider(), (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+    )
+
+
+def span_headers(span: Span) -> dict[str, str]:
+    """The W3C ``traceparent`` (and ``tracestate``) of ``span``; empty for an invalid span."""
+    ctx = span.get_span_context()
+    if not ctx.is_valid:
+        return {}
+    # Formatted here rather than through a propagator: it runs once per produced event.
+    headers = {"traceparent": f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{ctx.trace_flags:02x}"}
+    if ctx.trace_state:
+        headers["tracestate"] = ctx.trace_state.to_header()
+    return headers
+
+
+def extract_context(
+    traceparent: str | None, tracestate: str | None = None
+) -> otel_context.Context | None:
+    """The remote context stored with a message, or ``None`` when it carries none (or junk)."""
+    if not traceparent:
+        return None
+    carrier = {"traceparent": traceparent}
+    if tracestate:
+        carrier["tracestate"] = tracestate
+    ctx = _W3C.extract(carrier)
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+def headers_span_context(headers: Mapping[str, str]) -> trace.SpanContext | None:
+    """The creation span context stored in an outbox row's headers, if valid."""
+    ctx = extract_context(headers.get("traceparent"), headers.get("tracestate"))
+    return trace.get_current_span(ctx).get_span_context() if ctx is not None else None
+
+
+# -- producer ------------------------------------------------------------------------------
+
+
+@contextmanager
+def create_span(
+    event_type: str,
+    event_id: uuid.UUID | str,
+    *,
+    parent: otel_context.Context | None = None,
+    correlation_id: str | None = None,
+) -> Iterator[Span]:
+    """A PRODUCER span ``create <event_type>`` for one event; inject *its* context.
+
+    The span is not made current (nothing runs inside it but building the row); use
+    :func:`span_headers` on the yielded span for the row's ``traceparent``. ``parent``
+    defaults to the current context, e.g. the application's request span.
+    """
+    span = start_create_span(event_type, event_id, parent=parent, correlation_id=correlation_id)
+    try:
+        yield span
+    finally:
+        span.end()
+
+
+def start_create_span(
+    event_type: str,
+    event_id: uuid.UUID | str,
+    *,
+    parent: otel_context.Context | None = None,
+    correlation_id: str | None = None,
+) -> Span:
+    """:func:`create_span` without the context manager (the caller ends the span)."""
+    attributes: dict[str, str] = {
+        SYSTEM: MESSAGING_SYSTEM,
+        OPERATION_TYPE: "create",
+        OPERATION_NAME: "create",
+        DESTINATION: event_type,
+        MESSAGE_ID: str(event_id),
+    }
+    if correlation_id is not None:
+        attributes[CONVERSATION_ID] = correlation_id
+    return _tracer().start_span(
+        f"create {event_type}", context=parent, kind=SpanKind.PRODUCER, attributes=attributes
+    )
+
+
+# -- relay ---------------------------------------------------------------------------------
+
+
+@contextmanager
+def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]:
+    """One ``send <destination>`` span per delivery, linked to each event's creation context.
+
+    ``messaging.batch.message_count`` is the number of events (set even for one event,
+    since a delivery is a batch operation), and each link carries the event's
+    ``messaging.message.id``. Events without a stored context get no link. The span is
+    not made current. Raising inside marks it failed; :func:`record_send_outcome` does
+    the same for an outcome the publisher returned instead of raising.
+    """
+    tracer = _tracer()
+    span = tracer.start_span(
+        f"send {destination}",
+        kind=SEND_SPAN_KIND,
+        attributes={
+            SYSTEM: MESSAGING_SYSTEM,
+            OPERATION_TYPE: "send",
+            OPERATION_NAME: "send",
+            DESTINATION: destination,
+            BATCH_COUNT: len(events),
+        },
+        links=_creation_links(events) if _links_wanted() else None,
+        context=otel_context.Context(),  # a delivery has no parent: it is linked instead
+    )
+    try:
+        yield span
+    except BaseException as exc:
+        _fail(span, exc)
+        raise
+    finally:
+        span.end()
+
+
+def record_send_outcome(span: Span, outcome: BaseException | None) -> None:
+    """Mark a send span failed when the broker refused its delivery."""
+    if outcome is not None:
+        _fail(span, outcome)
+
+
+def _creation_links(events: Sequence[OutboxEvent]) -> list[Link]:
+    links: list[Link] = []
+    for event in events:
+        try:
+            headers = json.loads(event.headers_json)
+        except ValueError:
+            continue
+        if not isinstance(headers, dict):
+            continue
+        span_context = headers_span_context(headers)
+        if span_context is not None:
+            links.append(Link(span_context, {MESSAGE_ID: str(event.id)}))
+    return links
+
+
+# -- consumer ------------------------------------------------------------------------------
+
+
+@contextmanager
+def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[Span]:
+    """The CONSUMER span ``process <event.type>`` around one handler run, made current.
+
+    Its parent is the event's creation context (so producer, consumer and any
+    follow-up events form one trace); without one it continues the current context.
+    Being current, it parents the handler's own spans, follow-up ``create`` spans and
+    log lines. An exception escaping the block marks the span failed (by class only)
+    and propagates.
+    """
+    parent = extract_context(event.traceparent, event.tracestate)
+    attributes: dict[str, str | int] = {
+        SYSTEM: MESSAGING_SYSTEM,
+        OPERATION_TYPE: "process",
+        OPERATION_NAME: "process",
+        DESTINATION: event.type,
+        MESSAGE_ID: str(event.id),
+        CONSUMER_GROUP: consumer,
+        ATTEMPT: attempt,
+    }
+    if event.correlation_id is not None:
+        attributes[CONVERSATION_ID] = event.correlation_id
+    with _tracer().start_as_current_span(
+        f"process {event.type}",
+        context=parent,
+        kind=SpanKind.CONSUMER,
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as span:
+        try:
+            yield span
+        except BaseException as exc:
+            _fail(span, exc)
+            raise
+
+
+def mark_duplicate(span: Span) -> None:
+    """The inbox already had this (consumer, event): the handler did not run."""
+    span.set_attribute(DUPLICATE, True)
+    span.add_event("pipeline.duplicate")
+
+
+def record_retry(span: Span, exc: BaseException, delay: float) -> None:
+    """The handler failed and will run again after ``delay`` seconds."""
+    span.add_event(
+        "pipeline.retry",
+        {ERROR_TYPE: type(exc).__name__, "pipeline.retry.delay_seconds": float(delay)},
+    )
+    _fail(span, exc)
+
+
+def record_dead_letter(span: Span, reason: str) -> None:
+    """The event was dead-lettered for this consumer (``reason`` is the pipeline's own text)."""
+    span.set_attribute(DEAD_LETTERED, True)
+    span.add_event("pipeline.dead_letter", {"pipeline.dead_letter.reason": reason})
+    span.set_status(Status(StatusCode.ERROR, "dead-lettered"))
+
+
+def _fail(span: Span, exc: BaseException) -> None:
+    name = type(exc).__name__
+    span.set_attribute(ERROR_TYPE, name)
+    span.set_status(Status(StatusCode.ERROR, name))
+
+
+# -- set-up --------------------------------------------------------------------------------
+
+_configure_lock = threading.Lock()
+_configured: trace.TracerProvider | None = None
+EXPORTERS = frozenset({"otlp", "console", "none"})
+
+
+def configure_tracing(settings: Settings, service_name: str) -> trace.TracerProvider | None:
+    """Install an SDK ``TracerProvider`` for a pipeline process, from ``OTEL_*`` variables.
+
+    ``OTEL_TRACES_EXPORTER``: ``otlp`` (OTLP over HTTP/protobuf; ``OTEL_EXPORTER_OTLP_*``
+    configure it), ``console``, or ``none`` (the default: spans get real ids so context
+    still propagates, nothing is exported). ``OTEL_SDK_DISABLED=true`` leaves tracing
+    off; ``OTEL_SERVICE_NAME`` overrides ``service_name``; the SDK reads
+    ``OTEL_TRACES_SAMPLER`` and ``OTEL_BSP_*`` itself. Idempotent, and a provider the
+    application installed first is kept. Returns the active provider (``None`` if off).
+    """
+    global _configured  # noqa: PLW0603
+    with _configure_lock:
+        if _configured is not None:
+            return _configured
+        if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+            return None
+        current = trace.get_tracer_provider()
+        if not isinstance(current, trace.ProxyTracerProvider):
+            _configured = current  # the application configured tracing already
+            return current
+        exporters = _exporter_names()
+        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        attributes: dict[str, str] = {"pipeline.schema": settings.schema_name}
+        if not os.environ.get("OTEL_SERVICE_NAME"):
+            attributes[SERVICE_NAME] = service_name
+        provider = TracerProvider(resource=Resource.create(attributes))
+        for name in exporters:
+            provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
+        trace.set_tracer_provider(provider)
+        _configured = provider
+        log.debug("tracing configured", extra={"exporters": ",".join(exporters) or "none"})
+        return provider
+
+
+def shutdown_tracing() -> None:
+    """Flush and stop the provider :func:`configure_tracing` installed (safe to repeat)."""
+    provider = _configured
+    shutdown = getattr(provider, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
+def _exporter_names() -> list[str]:
+    raw = os.environ.get("OTEL_TRACES_EXPORTER", "none")
+    names = [part.strip().lower() for part in raw.split(",") if part.strip()]
+    unknown = [name for name in names if name not in EXPORTERS]
+    if unknown:
+        raise ConfigurationError(
+            f"OTEL_TRACES_EXPORTER: unsupported exporter {unknown[0]!r} (use otlp, console or none)"
+        )
+    if "otlp" in names:
+        protocol = os.environ.get(
+            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+            os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+        )
+        if protocol.strip() != "http/protobuf":
+            raise ConfigurationError(
+                f"OTEL_EXPORTER_OTLP_PROTOCOL: {protocol!r} is not supported; "
+                "the pipeline exports OTLP over http/protobuf"
+            )
+    return [name for name in dict.fromkeys(names) if name != "none"]
+
+
+def _exporter(name: str) -> SpanExporter:
+    if name == "otlp":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        return OTLPSpanExporter()
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    return ConsoleSpanExporter()

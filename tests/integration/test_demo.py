@@ -1,0 +1,249 @@
+"""``pipeline demo`` end to end: its own servers, relay and workers, and a clean exit.
+
+Both tests run the real console command with every ``PIPELINE_*`` variable removed,
+so the demo starts throwaway Postgres and Redis itself, as on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+DEMO_TIMEOUT = 240
+
+
+def demo_command(*args: str) -> list[str]:
+    script = Path(sys.executable).with_name("pipeline")
+    if script.exists():
+        return [str(script), "demo", *args]
+    return [sys.executable, "-m", "pipeline.cli", "demo", *args]
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
+
+
+def test_demo_json_summary_holds_the_invariants():
+    started = time.monotonic()
+    result = subprocess.run(
+        demo_command("--events", "200", "--json"),
+        check=False,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT,
+    )
+    wall = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout)  # stdout holds the JSON document and nothing else
+
+    assert summary["ok"] is True, summary["failed_invariants"]
+    assert all(value is True for value in summary["invariants"].values()), summary["invariants"]
+    # charges equal orders: one charge per order, none for the poison order
+    charges = summary["charges"]
+    assert charges["made"] == charges["orders_charged"] == charges["orders"] == 200
+    # every order reached every stage exactly once (inbox, business rows, e-mails)
+    assert summary["processed"] == {"payments": 200, "inventory": 200, "notifications": 200}
+    for stage, effect in summary["effects"].items():
+        assert effect == {"rows": 200, "orders": 200}, stage
+    assert summary["orders"]["confirmed"] == 200
+    assert summary["confirmations"]["sent"] == summary["confirmations"]["orders"] == 200
+    assert summary["events"]["produced"] == {
+        "order.placed": 201,
+        "payment.charged": 200,
+        "stock.reserved": 200,
+    }
+    assert summary["events"]["published"] == 601
+    assert summary["events"]["unsent"] == 0
+    # duplicate deliveries were injected and every one was absorbed by the inbox
+    duplicates = summary["duplicates"]
+    assert duplicates["injected_total"] > 0
+    assert duplicates["absorbed_total"] >= duplicates["injected_total"]
+    # the poison order ended in the dead letters, with its reason, uncharged
+    [dead] = summary["dead_letters"]
+    assert dead["consumer"] == "payments"
+    assert dead["event_type"] == "order.placed"
+    assert dead["order_id"].endswith("-poison")
+    assert dead["error_class"] == "InvalidOrder"
+    assert "non-retryable" in dead["reason"]
+    assert "amount_cents" in dead["error"]
+    # latency and the trace of one order, rebuilt from the database lineage
+    latency = summary["latency_seconds"]
+    assert latency["orders"] == 200
+    assert 0 <= latency["p50"] <= latency["p99"] <= latency["max"]
+    trace = summary["trace"]
+    assert trace["single_trace"] is True
+    assert re.fullmatch(r"[0-9a-f]{32}", trace["trace_id"])
+    root = trace["root"]
+    assert root["event_type"] == "order.placed"
+    [payments] = root["consumers"]
+    [charged] = payments["follow_ups"]
+    assert charged["event_type"] == "payment.charged"
+    assert charged["consumers"][0]["follow_ups"][0]["event_type"] == "stock.reserved"
+    assert wall < 120, f"the demo took {wall:.0f} s"
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state, ppid, start time) of a live process, from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def descendants(root: int) -> set[tuple[int, int]]:
+    """Every process below ``root`` as (pid, start time), so a reused pid is not mistaken."""
+    parents: dict[int, list[tuple[int, int]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _proc_stat(int(entry.name))
+            if stat is not None and stat[0] != "Z":
+                parents.setdefault(stat[1], []).append((int(entry.name), stat[2]))
+    found: set[tuple[int, int]] = set()
+    todo = [root]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child[0])
+    return found
+
+
+def alive(process: tuple[int, int]) -> bool:
+    stat = _proc_stat(process[0])
+    return stat is not None and stat[0] != "Z" and stat[2] == process[1]
+
+
+def test_ctrl_c_mid_run_exits_promptly_and_leaves_nothing_behind():
+    demo = subprocess.Popen(
+        demo_command("--events", "100000", "--rate", "50"),
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in demo.stderr], daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not any("placing" in line for line in seen):
+            assert demo.poll() is None, "".join(seen)
+            assert time.monotonic() < deadline, "the demo never started placing orders"
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=1))
+        time.sleep(2)  # orders flowing through relay and workers
+        children = descendants(demo.pid)
+        assert len(children) >= 5, children  # Postgres, Redis, relay, workers, ...
+        log_dir = next(
+            Path(m.group(1)) for line in seen if (m := re.search(r"logs in (\S+)\)", line))
+        )
+        assert log_dir.exists()
+
+        demo.send_signal(signal.SIGINT)
+        started = time.monotonic()
+        code = demo.wait(timeout=60)
+        took = time.monotonic() - started
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    reader.join(timeout=5)
+    while not lines.empty():
+        seen.append(lines.get())
+    output = "".join(seen)
+    assert code == 130, output
+    assert took < 30, f"took {took:.1f} s to stop"
+    assert "Traceback" not in output, output
+    assert "interrupted" in output
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in children if alive(p)], "processes survived the demo"
+    assert not log_dir.exists(), "the temporary directory was left behind"
+
+
+def test_unreachable_database_is_one_clear_line():
+    env = clean_env()
+    env["PIPELINE_DATABASE_URL"] = "postgresql://demo@127.0.0.1:1/nowhere"
+    env["PIPELINE_REDIS_URL"] = "redis://127.0.0.1:1/0"
+    result = subprocess.run(
+        demo_command("--events", "1"),
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    [error] = [line for line in result.stderr.splitlines() if line.startswith("pipeline: error:")]
+    assert "127.0.0.1:1" in error, error
+
+
+def test_payment_api_honours_idempotency_keys_like_stripe():
+    import httpx
+
+    from pipeline.demo.payment_api import PaymentServer
+
+    api = PaymentServer(delay=0.3).start()
+    try:
+        with httpx.Client(base_url=api.url, timeout=10) as client:
+            body = {"run": "r1", "order_id": "o1", "amount_cents": 500}
+            first = client.post("/v1/charges", json=body, headers={"Idempotency-Key": "k1"})
+            again = client.post("/v1/charges", json=body, headers={"Idempotency-Key": "k1"})
+            assert first.status_code == again.status_code == 200
+            assert first.json() == again.json()  # the stored response, no new charge
+            other = client.post(
+                "/v1/charges", json={**body, "amount_cents": 501}, headers={"Idempotency-Key": "k1"}
+            )
+            assert other.status_code == 422
+            assert client.post("/v1/charges", json=body).status_code == 400  # no key
+
+            results: list[int] = []
+
+            def post() -> None:
+                with httpx.Client(base_url=api.url, timeout=10) as own:
+                    response = own.post(
+                        "/v1/emails", json={"run": "r2"}, headers={"Idempotency-Key": "k2"}
+                    )
+                    results.append(response.status_code)
+
+            threads = [threading.Thread(target=post) for _ in range(2)]
+            for thread in threads:
+                thread.start()
+                time.sleep(0.1)  # the second arrives while the first is still running
+            for thread in threads:
+                thread.join()
+            assert sorted(results) == [200, 409]
+
+            assert client.get("/health").json() == {"status": "ok"}
+            ledger = client.get("/ledger", params={"run": "r1"}).json()
+            assert [c["id"] for c in ledger["charges"]] == ["ch_1"]
+            assert ledger["by_path"]["/v1/charges"] == {
+                "requests": 4,
+                "created": 1,
+                "replayed": 1,
+                "mismatch": 1,
+                "rejected": 1,
+            }
+            assert ledger["outcomes_by_key"]["k1"] == ["created", "replayed", "mismatch"]
+            emails = client.get("/ledger", params={"run": "r2"}).json()["charges"]
+            assert [c["id"] for c in emails] == ["em_2"]
+    finally:
+        api.stop()

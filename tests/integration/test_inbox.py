@@ -1,0 +1,343 @@
+"""Inbox: effectively-once handlers, idempotency keys, retries, dead letters, ordered consumers.
+
+Workers and relays run as real processes (``pipeline worker`` / ``pipeline relay``)
+against real Postgres and Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+
+import psycopg
+import pytest
+import redis
+from sqlalchemy import text
+
+from pipeline import NewEvent, Settings, configure
+from pipeline.demo.payment_api import PaymentServer
+from pipeline.registry import Registry
+from pipeline.relay.drain import Drainer
+from pipeline.relay.publisher import Delivery
+from pipeline.runtime import build_runtime
+from tests.support import (
+    multiprocess_metric,
+    produce,
+    start_relay,
+    start_worker,
+    stop_process,
+    wait_until,
+)
+
+APP = "tests.apps.inbox_app"
+TABLES = """
+CREATE TABLE effects (id bigserial PRIMARY KEY, stage text NOT NULL, order_id text NOT NULL,
+                      event_id uuid NOT NULL);
+CREATE TABLE seq_log (id bigserial PRIMARY KEY, ordering_key text NOT NULL, seq bigint NOT NULL,
+                      n int NOT NULL);
+"""
+
+
+@pytest.fixture
+def inbox_settings(settings: Settings, engine) -> Iterator[Settings]:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(TABLES)
+    value = settings.replace(
+        lease_seconds=3.0,
+        poll_interval_max=0.5,
+        broker_heartbeat_timeout_ms=3000,
+        broker_maintenance_chance=200_000,
+    )
+    configure(value)
+    yield value
+    configure(settings)
+
+
+def scalar(engine, sql: str, **params):
+    with engine.connect() as conn:
+        return conn.execute(text(sql), params).scalar()
+
+
+def stage_counts(engine, stage: str) -> Counter:
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT order_id FROM effects WHERE stage = :s"), {"s": stage})
+        return Counter(r[0] for r in rows)
+
+
+class RepeatingPublisher:
+    """Delivers every message ``times`` times: what broker redelivery and replays look like."""
+
+    def __init__(self, inner, times: int) -> None:
+        self.inner, self.times = inner, times
+
+    def deliver(self, deliveries: Sequence[Delivery]):
+        outcomes = self.inner.deliver(list(deliveries) * self.times)
+        return outcomes[: len(deliveries)]
+
+    def close(self) -> None:
+        pass
+
+
+def publish_repeated(settings: Settings, times: int) -> None:
+    """Publish every pending outbox event ``times`` times to its consumers' queues."""
+    routes = Registry()
+    routes.subscribe("ledger", ["entry.booked"])
+    runtime = build_runtime(settings, routes, set_global_broker=False)
+    try:
+        conn = psycopg.connect(settings.require_database_url(), autocommit=True)
+        drainer = Drainer(settings, RepeatingPublisher(runtime.publisher, times), routes, "t", conn)
+        while drainer.run_batch().claimed:
+            pass
+        conn.close()
+    finally:
+        runtime.close()
+
+
+@pytest.mark.parametrize(("processes", "threads"), [(1, 1), (2, 4)], ids=["serial", "concurrent"])
+def test_every_message_delivered_three_times_takes_effect_once(
+    engine, inbox_settings, tmp_path, processes, threads
+):
+    orders = [f"o{i}" for i in range(200)]
+    produce(engine, [NewEvent("entry.booked", {"order_id": o}, aggregate_id=o) for o in orders])
+    publish_repeated(inbox_settings.replace(max_events_per_message=10), times=3)
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    worker = start_worker(
+        inbox_settings,
+        APP,
+        tmp_path / "worker.log",
+        processes,
+        threads,
+        PROMETHEUS_MULTIPROC_DIR=str(metrics_dir),
+    )
+    try:
+        wait_until(
+            lambda: (
+                multiprocess_metric(
+                    metrics_dir, "pipeline_inbox_duplicates_total", consumer="ledger"
+                )
+                >= 400
+            ),
+            timeout=60,
+        )
+    finally:
+        stop_process(worker)
+    assert stage_counts(engine, "ledger") == Counter({o: 1 for o in orders})
+    assert (
+        multiprocess_metric(metrics_dir, "pipeline_inbox_processed_total", consumer="ledger") == 200
+    )
+    assert (
+        multiprocess_metric(metrics_dir, "pipeline_inbox_duplicates_total", consumer="ledger")
+        == 400
+    )
+    assert scalar(engine, "SELECT count(*) FROM pipeline.inbox WHERE status = 'processed'") == 200
+
+
+def test_retried_handler_commits_rows_once_and_charges_once(engine, inbox_settings, tmp_path):
+    api = PaymentServer().start()
+    relay = start_relay(inbox_settings, APP, tmp_path / "relay.log")
+    worker = start_worker(
+        inbox_settings,
+        APP,
+        tmp_path / "worker.log",
+        1,
+        2,
+        TEST_PAYMENT_API=api.url,
+        TEST_FAIL_RATE="0.6",
+    )
+    try:
+        orders = [f"pay-{i}" for i in range(30)]
+        produce(
+            engine,
+            [
+                NewEvent("order.placed", {"order_id": o, "amount": 5}, aggregate_id=o)
+                for o in orders
+            ],
+        )
+        wait_until(lambda: len(stage_counts(engine, "notifications")) == 30, timeout=90)
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+        api.stop()
+    assert stage_counts(engine, "payments") == Counter({o: 1 for o in orders})
+    charged = Counter(c["request"]["order_id"] for c in api.ledger.charges)
+    assert charged == Counter({o: 1 for o in orders})  # one charge per order
+    keys_by_order: dict[str, set] = {}
+    for request in api.ledger.requests:
+        keys_by_order.setdefault(request["key"], set()).add(request["path"])
+    retried = scalar(engine, "SELECT count(*) FROM pipeline.attempts WHERE consumer = 'payments'")
+    assert retried > 0, "the failure injection never fired"
+    # every attempt of one order sent the same key: as many distinct keys as orders
+    assert len({r["key"] for r in api.ledger.requests}) == 30
+    assert len(api.ledger.requests) == 30 + retried
+
+
+def test_worker_killed_mid_handler_processes_the_event_once(engine, inbox_settings, tmp_path):
+    blocker = psycopg.connect(inbox_settings.require_database_url())
+    blocker.execute("SELECT pg_advisory_lock(42)")  # the slow handler will wait on it
+    produce(engine, [NewEvent("entry.booked", {"order_id": "k1", "slow": 0.1})])
+    publish_repeated(inbox_settings, times=1)
+    worker = start_worker(inbox_settings, APP, tmp_path / "worker1.log", 1, 1)
+    try:
+        wait_until(
+            lambda: (
+                scalar(
+                    engine,
+                    "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted",
+                )
+                == 1
+            ),
+            timeout=30,
+        )  # the handler is inside its transaction, waiting
+        stop_process(worker, signal.SIGKILL)
+        blocker.execute("SELECT pg_advisory_unlock(42)")
+        blocker.commit()
+        assert scalar(engine, "SELECT count(*) FROM effects") == 0
+        worker = start_worker(inbox_settings, APP, tmp_path / "worker2.log", 1, 1)
+        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, timeout=60)
+        time.sleep(1.0)
+    finally:
+        stop_process(worker)
+        blocker.close()
+    assert scalar(engine, "SELECT count(*) FROM effects") == 1
+    assert scalar(engine, "SELECT status FROM pipeline.inbox") == "processed"
+
+
+def test_three_stage_workflow_with_random_failures_runs_each_stage_once(
+    engine, inbox_settings, tmp_path
+):
+    relay = start_relay(inbox_settings, APP, tmp_path / "relay.log")
+    workers = start_worker(inbox_settings, APP, tmp_path / "worker.log", 2, 4, TEST_FAIL_RATE="0.1")
+    orders = [f"wf-{i}" for i in range(1000)]
+    try:
+        produce(
+            engine,
+            [
+                NewEvent("order.placed", {"order_id": o}, aggregate_type="order", aggregate_id=o)
+                for o in orders
+            ],
+            per_transaction=50,
+        )
+        wait_until(
+            lambda: len(stage_counts(engine, "notifications")) == 1000, timeout=240, interval=0.5
+        )
+        time.sleep(1.0)
+    finally:
+        stop_process(workers)
+        stop_process(relay)
+    for stage in ("payments", "inventory", "notifications"):
+        assert stage_counts(engine, stage) == Counter({o: 1 for o in orders}), stage
+    assert scalar(engine, "SELECT count(*) FROM pipeline.attempts WHERE stage = 'consume'") > 0
+    assert scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 0
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT id, event_type, headers->>'causation_id', headers->>'correlation_id'"
+                " FROM pipeline.outbox"
+            )
+        ).all()
+    by_id = {str(r[0]): r for r in rows}
+    chains = 0
+    for row in rows:
+        if row[1] == "stock.reserved":
+            charged = by_id[row[2]]
+            placed = by_id[charged[2]]
+            assert (charged[1], placed[1]) == ("payment.charged", "order.placed")
+            assert row[3] == charged[3] == placed[3] == str(placed[0])  # one correlation id
+            chains += 1
+    assert chains == 1000
+
+
+def test_ordered_consumer_processes_each_key_in_sequence(engine, inbox_settings, tmp_path):
+    relay = start_relay(
+        inbox_settings.replace(max_events_per_message=5), APP, tmp_path / "relay.log"
+    )
+    worker = start_worker(inbox_settings, APP, tmp_path / "worker.log", 2, 8, TEST_FAIL_RATE="0.05")
+    try:
+        events = [
+            NewEvent("seq.step", {"n": n}, ordering_key=f"key-{k}")
+            for n in range(50)
+            for k in range(100)
+        ]
+        produce(engine, events, per_transaction=100)
+        wait_until(
+            lambda: scalar(engine, "SELECT count(*) FROM seq_log") == 5000,
+            timeout=240,
+            interval=0.5,
+        )
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT ordering_key, seq, n FROM seq_log ORDER BY id")).all()
+    seen: dict[str, list[int]] = {}
+    for key, _, n in rows:
+        seen.setdefault(key, []).append(n)
+    assert len(seen) == 100
+    for key, ns in seen.items():
+        assert ns == list(range(50)), f"{key} processed out of order: {ns[:20]}"
+
+
+def test_garbage_and_unknown_consumer_messages_are_dead_lettered(engine, inbox_settings, tmp_path):
+    client = redis.Redis.from_url(inbox_settings.require_redis_url())
+    ns, queue = inbox_settings.redis_namespace, "pipeline.ledger"
+    client.hset(f"{ns}:{queue}.msgs", "garbage-1", b"\xff\xfenot json at all")
+    client.rpush(f"{ns}:{queue}", "garbage-1")
+    ghost = {
+        "queue_name": queue,
+        "actor_name": "pipeline_inbox_ghost",
+        "args": [[]],
+        "kwargs": {},
+        "options": {"redis_message_id": "ghost-1"},
+        "message_id": str(uuid.uuid4()),
+        "message_timestamp": int(time.time() * 1000),
+    }
+    client.hset(f"{ns}:{queue}.msgs", "ghost-1", json.dumps(ghost))
+    client.rpush(f"{ns}:{queue}", "ghost-1")
+    bad_args = dict(
+        ghost,
+        actor_name="pipeline_inbox_ledger",
+        args=[{"not": "a list"}],
+        options={"redis_message_id": "bad-1"},
+        message_id=str(uuid.uuid4()),
+    )
+    client.hset(f"{ns}:{queue}.msgs", "bad-1", json.dumps(bad_args))
+    client.rpush(f"{ns}:{queue}", "bad-1")
+    worker = start_worker(inbox_settings, APP, tmp_path / "worker.log", 1, 2)
+    try:
+        wait_until(lambda: scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 3, 30)
+        produce(engine, [NewEvent("entry.booked", {"order_id": "after-garbage"})])
+        publish_repeated(inbox_settings, times=1)
+        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, timeout=30)
+        assert worker.poll() is None  # still running
+    finally:
+        stop_process(worker)
+        client.close()
+    with engine.connect() as conn:
+        reasons = [
+            r[0] for r in conn.execute(text("SELECT reason FROM pipeline.dead_letters ORDER BY id"))
+        ]
+    assert any(r.startswith("undecodable message") for r in reasons), reasons
+    assert any("pipeline_inbox_ghost" in r and "unknown consumer" in r for r in reasons), reasons
+    assert any("not a non-empty list" in r for r in reasons), reasons
+    raw = scalar(
+        engine, "SELECT raw_message FROM pipeline.dead_letters WHERE raw_message IS NOT NULL"
+    )
+    assert "not json at all" in raw
+
+
+def test_retention_shorter_than_redelivery_horizon_is_refused(settings):
+    from pipeline.errors import ConfigurationError
+    from pipeline.inbox.consumer import check_retention, consumer
+
+    routes = Registry()
+    consumer("slowpoke", ["x"], max_retries=10, max_backoff=3600, registry=routes)(
+        lambda event, ctx: None
+    )
+    with pytest.raises(ConfigurationError, match="redelivery horizon of 36000 s"):
+        check_retention(settings.replace(inbox_retention_seconds=3600), routes)
+    check_retention(settings.replace(inbox_retention_seconds=36000), routes)

@@ -1,0 +1,184 @@
+"""docker-compose.yml and the Dockerfile, checked without Docker (none on the dev machines).
+
+What can rot silently is checked statically: files the build needs, commands that must
+exist in the CLI, settings that must exist, image pins, health checks and start order.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import warnings
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import yaml
+
+from pipeline.cli import cli
+from pipeline.config import ENV_PREFIX, Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+SERVICES: dict[str, dict[str, Any]] = COMPOSE["services"]
+VERSION_TAG = re.compile(r"^v?\d+(\.\d+){1,2}([.-][A-Za-z0-9.]+)?$")
+
+
+def argv(service: dict[str, Any]) -> list[str]:
+    command = service.get("command", [])
+    return shlex.split(command) if isinstance(command, str) else [str(a) for a in command]
+
+
+def _unparsed(ctx: click.Context) -> list[str]:
+    with warnings.catch_warnings():  # click 8.2 deprecates protected_args (merged in 9.0)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return [*ctx.protected_args, *ctx.args]
+
+
+def check_pipeline_command(args: list[str]) -> None:
+    """Parse ``args`` with the real click tree: unknown commands or options raise."""
+    ctx = cli.make_context("pipeline", list(args))
+    command: click.Command = cli
+    rest = _unparsed(ctx)
+    while isinstance(command, click.Group) and rest:
+        name, sub, rest = command.resolve_command(ctx, rest)
+        assert sub is not None, f"no command {name!r}"
+        ctx = sub.make_context(name or "", list(rest), parent=ctx)
+        command = sub
+        rest = _unparsed(ctx)
+    assert not isinstance(command, click.Group), f"{args} names a group, not a command"
+
+
+def test_expected_services_are_there():
+    expected = {"postgres", "redis", "jaeger", "migrate", "payment-api", "relay", "worker", "demo"}
+    assert expected <= set(SERVICES)
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_images_are_pinned_to_a_version(name):
+    service = SERVICES[name]
+    if "build" in service:
+        return  # built from this repository (its base image is pinned in the Dockerfile)
+    image = service["image"]
+    assert ":" in image and "@" not in image, f"{name}: {image} has no tag"
+    tag = image.rsplit(":", 1)[1]
+    assert tag != "latest" and VERSION_TAG.match(tag), f"{name}: {image} is not a version"
+
+
+def test_dockerfile_base_image_is_pinned_and_its_sources_exist():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    [base] = re.findall(r"^FROM\s+(\S+)", dockerfile, re.MULTILINE)
+    name, _, tag = base.partition(":")
+    assert name == "python" and re.fullmatch(r"3\.11\.\d+-slim", tag), base
+    for line in re.findall(r"^COPY\s+(.+)$", dockerfile, re.MULTILINE):
+        *sources, _target = line.split()
+        for source in sources:
+            assert (ROOT / source).exists(), f"Dockerfile copies missing {source}"
+    assert "pip install ." in dockerfile
+
+
+def test_build_contexts_and_dockerfiles_exist():
+    built = [s for s in SERVICES.values() if "build" in s]
+    assert built
+    for service in built:
+        build = service["build"]
+        context = ROOT / (build if isinstance(build, str) else build.get("context", "."))
+        assert context.is_dir()
+        dockerfile = (
+            "Dockerfile" if isinstance(build, str) else build.get("dockerfile", "Dockerfile")
+        )
+        assert (context / dockerfile).is_file()
+
+
+def test_dockerignore_keeps_what_the_build_copies():
+    lines = (ROOT / ".dockerignore").read_text().splitlines()
+    ignored = {line.strip().rstrip("/") for line in lines if not line.startswith("#")}
+    for needed in ("pipeline", "pyproject.toml", "README.md"):
+        assert needed not in ignored
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_pipeline_commands_exist(name):
+    args = argv(SERVICES[name])
+    if args[:1] == ["pipeline"]:
+        check_pipeline_command(args[1:])
+    elif args[:2] == ["python", "-m"]:
+        module = args[2]
+        assert importlib.util.find_spec(module) is not None, module
+        if module == "pipeline.demo.payment_api":
+            from pipeline.demo.payment_api import build_parser
+
+            build_parser().parse_args(args[3:])
+
+
+def test_the_checker_rejects_what_does_not_exist():
+    with pytest.raises(click.UsageError):
+        check_pipeline_command(["no-such-command"])
+    with pytest.raises(click.UsageError):
+        check_pipeline_command(["relay", "--no-such-option"])
+    with pytest.raises((AssertionError, click.UsageError)):
+        check_pipeline_command(["db"])
+
+
+def test_one_shot_migration_runs_pipeline_db_upgrade():
+    assert argv(SERVICES["migrate"]) == ["pipeline", "db", "upgrade"]
+    assert SERVICES["migrate"].get("restart") == "no"
+
+
+@pytest.mark.parametrize("name", ["postgres", "redis", "payment-api", "relay", "worker"])
+def test_health_checks(name):
+    check = SERVICES[name].get("healthcheck")
+    assert check and check.get("test"), f"{name} has no health check"
+    assert check["test"][0] in ("CMD", "CMD-SHELL")
+
+
+def test_start_order_waits_on_health_and_migration():
+    for name, service in SERVICES.items():
+        depends = service.get("depends_on", {})
+        assert isinstance(depends, dict), f"{name}: depends_on needs conditions"
+        for target, rule in depends.items():
+            assert target in SERVICES, f"{name} depends on unknown {target}"
+            condition = rule["condition"]
+            assert condition in {
+                "service_started",
+                "service_healthy",
+                "service_completed_successfully",
+            }
+            if condition == "service_healthy":
+                assert "healthcheck" in SERVICES[target], f"{target} has no health check"
+    for name in ("relay", "worker"):
+        depends = SERVICES[name]["depends_on"]
+        assert depends["migrate"]["condition"] == "service_completed_successfully"
+        assert depends["redis"]["condition"] == "service_healthy"
+    assert SERVICES["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    assert SERVICES["demo"]["depends_on"]["worker"]["condition"] == "service_healthy"
+
+
+def test_pipeline_settings_exist_and_traces_go_to_jaeger():
+    fields = set(Settings.model_fields)
+    for name, service in SERVICES.items():
+        environment = service.get("environment", {})
+        assert isinstance(environment, dict), name
+        for key in environment:
+            if key.startswith(ENV_PREFIX) and not key.startswith("PIPELINE_DEMO_"):
+                assert key.removeprefix(ENV_PREFIX).lower() in fields, f"{name}: unknown {key}"
+        if "build" in service and name != "payment-api":
+            assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
+            assert environment["OTEL_TRACES_EXPORTER"] == "otlp"
+    assert SERVICES["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
+
+
+def test_demo_service_uses_the_running_pipeline():
+    args = argv(SERVICES["demo"])
+    assert args[:3] == ["pipeline", "demo", "--external"]
+    api = args[args.index("--api-url") + 1]
+    assert api == SERVICES["worker"]["environment"]["PIPELINE_DEMO_API_URL"]
+    assert api.startswith("http://payment-api:")
+
+
+def test_published_ports_bind_to_loopback():
+    for name, service in SERVICES.items():
+        for port in service.get("ports", []):
+            assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on all interfaces"

@@ -1,0 +1,199 @@
+"""Tracing set-up and the no-provider path, each in a fresh interpreter.
+
+OpenTelemetry allows one global tracer provider per process, so every case that
+depends on which provider is (or is not) installed runs as a subprocess.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from typing import ClassVar
+
+import pytest
+
+from tests.support import ROOT
+
+PRODUCE = """
+import json
+from pipeline import NewEvent, Settings
+from pipeline.outbox import prepare_rows
+def headers():
+    rows = prepare_rows([NewEvent("order.placed", {"secret": "hunter2"})], Settings())
+    return json.loads(rows[0]["headers"])
+"""
+
+
+def run(script: str, **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    return subprocess.run(
+        [sys.executable, "-c", PRODUCE + textwrap.dedent(script)],
+        env={**base, "PYTHONPATH": str(ROOT), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_without_a_provider_spans_are_no_ops_and_the_callers_context_propagates():
+    result = run(
+        """
+        from opentelemetry import context
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+        from pipeline.observability import tracing
+        assert "traceparent" not in headers()  # no context at all: nothing to store
+        incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        carrier = {"traceparent": incoming, "tracestate": "k=v"}
+        ctx = TraceContextTextMapPropagator().extract(carrier)
+        token = context.attach(ctx)
+        stored = headers()
+        assert stored["traceparent"] == incoming, stored
+        assert stored["tracestate"] == "k=v", stored
+        context.detach(token)
+        with tracing.send_span("q", []) as span:
+            assert not span.is_recording()
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_console_exporter_prints_create_spans_and_configuration_is_idempotent():
+    result = run(
+        """
+        from pipeline import Settings
+        from pipeline.observability import tracing
+        first = tracing.configure_tracing(Settings(), "pipeline-test")
+        assert tracing.configure_tracing(Settings(), "other") is first
+        assert headers()["traceparent"].startswith("00-")
+        tracing.shutdown_tracing()
+        """,
+        OTEL_TRACES_EXPORTER="console",
+        OTEL_SERVICE_NAME="from-env",
+    )
+    assert result.returncode == 0, result.stderr
+    assert '"name": "create order.placed"' in result.stdout
+    assert '"service.name": "from-env"' in result.stdout  # OTEL_SERVICE_NAME wins
+    assert "hunter2" not in result.stdout
+
+
+def test_exporter_none_still_gives_events_their_own_context():
+    result = run(
+        """
+        from pipeline import Settings
+        from pipeline.observability import tracing
+        assert tracing.configure_tracing(Settings(), "pipeline-test") is not None
+        print(headers()["traceparent"])
+        tracing.shutdown_tracing()
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("00-") and len(result.stdout.strip()) == 55
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"OTEL_TRACES_EXPORTER": "jaeger"}, "OTEL_TRACES_EXPORTER: unsupported exporter 'jaeger'"),
+        (
+            {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+            "OTEL_EXPORTER_OTLP_PROTOCOL: 'grpc' is not supported",
+        ),
+    ],
+)
+def test_bad_tracing_settings_are_clear_errors(env: dict[str, str], message: str):
+    result = run(
+        """
+        from pipeline import Settings
+        from pipeline.errors import ConfigurationError
+        from pipeline.observability import tracing
+        try:
+            tracing.configure_tracing(Settings(), "x")
+        except ConfigurationError as exc:
+            print(exc)
+        """,
+        **env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert message in result.stdout
+
+
+def test_sdk_disabled_leaves_tracing_off():
+    result = run(
+        """
+        from pipeline import Settings
+        from pipeline.observability import tracing
+        assert tracing.configure_tracing(Settings(), "x") is None
+        assert "traceparent" not in headers()
+        """,
+        OTEL_SDK_DISABLED="true",
+        OTEL_TRACES_EXPORTER="console",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == ""
+
+
+class _Collector(http.server.BaseHTTPRequestHandler):
+    received: ClassVar[list[tuple[str, str, bytes]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.received.append((self.path, self.headers["Content-Type"], body))
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-protobuf")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def otlp_collector() -> Iterator[tuple[str, list[tuple[str, str, bytes]]]]:
+    received: ClassVar[list[tuple[str, str, bytes]]] = []
+    handler = type("Handler", (_Collector,), {"received": received})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", received
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_otlp_http_export_reaches_a_collector(otlp_collector):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    endpoint, received = otlp_collector
+    result = run(
+        """
+        from pipeline import Settings
+        from pipeline.observability import tracing
+        tracing.configure_tracing(Settings(), "pipeline-test")
+        headers()
+        tracing.shutdown_tracing()
+        """,
+        OTEL_TRACES_EXPORTER="otlp",
+        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+    )
+    assert result.returncode == 0, result.stderr
+    assert received, "nothing was exported"
+    path, content_type, body = received[0]
+    assert path == "/v1/traces" and content_type == "application/x-protobuf"
+    request = ExportTraceServiceRequest.FromString(body)
+    (resource_spans,) = request.resource_spans
+    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+    assert service["service.name"] == "pipeline-test"
+    names = [s.name for scope in resource_spans.scope_spans for s in scope.spans]
+    assert names == ["create order.placed"]
+    assert b"hunter2" not in body
