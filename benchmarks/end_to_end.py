@@ -28,11 +28,13 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ from sqlalchemy.orm import Session
 from benchmarks.producer_cost import _machine, _ms, _percentile
 from pipeline.config import Settings, configure
 from pipeline.db.migrate import upgrade
-from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
 from pipeline.outbox import add_event
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -76,10 +78,60 @@ def durability(url: str) -> dict[str, str]:
         return {name: str(conn.execute(f"SHOW {name}").fetchone()[0]) for name in names}
 
 
+def _log(directory: Path, name: str) -> Any:
+    directory.mkdir(parents=True, exist_ok=True)
+    return (directory / f"{name}.log").open("wb")
+
+
+class OtlpSink(ThreadingHTTPServer):
+    """A local OTLP/HTTP endpoint that accepts and discards spans (a collector stand-in)."""
+
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, format: str, *args: Any) -> None:
+                return
+
+        super().__init__(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+def observability_env(mode: str, sink: OtlpSink) -> dict[str, str]:
+    """``on``: spans exported over OTLP/HTTP, both /metrics endpoints served; ``off``: neither."""
+    if mode == "off":
+        return {
+            "OTEL_SDK_DISABLED": "true",
+            "PIPELINE_METRICS_PORT": "0",
+            "PIPELINE_WORKER_METRICS_PORT": "0",
+        }
+    return {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+        "PIPELINE_METRICS_PORT": str(free_port()),
+        "PIPELINE_WORKER_METRICS_PORT": str(free_port()),
+    }
+
+
 class Pipeline:
     """A relay and a worker process for the benchmark consumer."""
 
-    def __init__(self, settings: Settings, processes: int, threads: int, logs: Path) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        processes: int,
+        threads: int,
+        logs: Path,
+        extra_env: dict[str, str],
+    ) -> None:
         env = dict(os.environ)
         env.update(
             PIPELINE_DATABASE_URL=settings.require_database_url(),
@@ -87,24 +139,18 @@ class Pipeline:
             PIPELINE_APP_MODULES="benchmarks.e2e_app",
             PYTHONPATH=str(ROOT),
             PIPELINE_LOG_LEVEL="WARNING",
+            PIPELINE_CANARY_INTERVAL="0",
         )
+        env.update(extra_env)
         commands = {
-            "relay": ["relay", "--metrics-port", "0"],
-            "worker": [
-                "worker",
-                "--processes",
-                str(processes),
-                "--threads",
-                str(threads),
-                "--metrics-port",
-                "0",
-            ],
+            "relay": ["relay"],
+            "worker": ["worker", "--processes", str(processes), "--threads", str(threads)],
         }
         self.processes = [
             subprocess.Popen(
                 [sys.executable, "-m", "pipeline.cli", *command],
                 env=env,
-                stdout=(logs / f"{name}.log").open("wb"),
+                stdout=_log(logs, name),
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
@@ -234,13 +280,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worker-processes", type=int, default=2)
     parser.add_argument("--worker-threads", type=int, default=8)
     parser.add_argument("--only", default="latency,throughput")
+    parser.add_argument(
+        "--observability",
+        default="on",
+        help="comma-separated: on (OTLP export + /metrics) and/or off (neither)",
+    )
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")
     parser.add_argument("--output", default=str(ROOT / "benchmarks/results/end_to_end.json"))
     args = parser.parse_args(argv)
     only = set(args.only.split(","))
-    logs = Path(args.output).with_suffix(".logs")
-    logs.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="pipeline-e2e-logs-"))
     with servers(args.database_url, args.redis_url) as (database_url, redis_url):
         settings = Settings(database_url=database_url, redis_url=redis_url)  # type: ignore[arg-type]
         configure(settings)
@@ -253,28 +303,40 @@ def main(argv: Sequence[str] | None = None) -> int:
                     " (event_id uuid PRIMARY KEY, done_at float8)"
                 )
             )
-        pipeline = Pipeline(settings, args.worker_processes, args.worker_threads, logs)
+        sink = OtlpSink()
         results: dict[str, Any] = {}
-        try:
-            warm = open_loop(engine, 200, 1.0, 2)
-            if len(wait_processed(engine, list(warm), timeout=60)) != len(warm):
-                raise SystemExit(f"warm-up events were not processed; see {logs}")
-            if "latency" in only:
-                results["latency"] = [
-                    measure_rate(engine, float(rate), args.duration, args.producers)
-                    for rate in args.rates.split(",")
-                ]
-            if "throughput" in only:
-                results["throughput"] = measure_throughput(engine, args.duration, args.producers)
-        finally:
-            pipeline.stop()
-            engine.dispose()
+        for mode in args.observability.split(","):
+            pipeline = Pipeline(
+                settings,
+                args.worker_processes,
+                args.worker_threads,
+                logs / mode,
+                observability_env(mode, sink),
+            )
+            runs: dict[str, Any] = {}
+            try:
+                warm = open_loop(engine, 200, 1.0, 2)
+                if len(wait_processed(engine, list(warm), timeout=60)) != len(warm):
+                    raise SystemExit(f"warm-up events were not processed; see {logs}")
+                if "latency" in only:
+                    runs["latency"] = [
+                        measure_rate(engine, float(rate), args.duration, args.producers)
+                        for rate in args.rates.split(",")
+                    ]
+                if "throughput" in only:
+                    runs["throughput"] = measure_throughput(engine, args.duration, args.producers)
+            finally:
+                pipeline.stop()
+            results[f"observability_{mode}"] = runs
+        sink.shutdown()
+        engine.dispose()
         report = {
             "benchmark": "end_to_end",
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "command": shlex.join([sys.executable, *sys.argv]),
             "machine": _machine(),
             "durability": durability(database_url),
+            "logs": str(logs),
             "setup": {
                 "relay": "1 process, --mode auto",
                 "workers": f"{args.worker_processes} processes x {args.worker_threads} threads",

@@ -60,7 +60,6 @@ from pathlib import Path
 from typing import Any
 
 import dramatiq
-import producer_cost as pc  # sibling script: benchmarks/ is sys.path[0] when run by path
 import psycopg
 import redis
 from psycopg import sql
@@ -80,6 +79,11 @@ from pipeline.relay.drain import Drainer
 from pipeline.relay.publisher import Delivery, DramatiqRedisPublisher
 from pipeline.relay.relay import Relay, Waker
 from pipeline.runtime import event_source
+
+try:  # python -m benchmarks.relay
+    from benchmarks import producer_cost as pc
+except ImportError:  # python benchmarks/relay.py: benchmarks/ is sys.path[0]
+    import producer_cost as pc  # type: ignore[no-redef]
 
 BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_OUTPUT = BENCH_DIR / "results" / "relay.json"
@@ -286,6 +290,8 @@ def drain_until_empty(drainer: Drainer, conn: psycopg.Connection[Any]) -> tuple[
 
 @dataclass
 class Context:
+    """What every section needs: settings, producer_cost's Bench (admin connection), pids."""
+
     settings: Settings
     bench: pc.Bench
     server_pid: int | None
@@ -564,6 +570,7 @@ def cpu_report(
 
 
 def run_throughput(ctx: Context, events: int, events_batch1: int) -> dict[str, Any]:
+    """Drain a prefilled outbox at each batch size, with one and with two drainers."""
     produced_s = make_template(ctx, max(events, events_batch1))
     runs: list[dict[str, Any]] = []
     for batch_size in BATCH_SIZES:
@@ -952,6 +959,7 @@ def latency_case(
 def run_wakeup_latency(
     ctx: Context, events: int, idle_events: int, rates: Sequence[float], duration: float
 ) -> dict[str, Any]:
+    """Commit -> visible latency: notify path, polling (paced and idle), sustained load."""
     base = ctx.settings
     engine = ctx.engine()
     rng = random.Random(20_000)
@@ -1174,6 +1182,7 @@ def publish_lag(ctx: Context, wait: float = 30.0) -> dict[str, Any]:
 def run_producer_with_relay(
     ctx: Context, clients_list: Sequence[int], duration: float, max_processes: int
 ) -> dict[str, Any]:
+    """producer_cost's business vs outbox runs while a real relay process publishes."""
     ctx.reset()
     log = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "relay.log"
     relay = start_relay_process(ctx, log)
@@ -1262,6 +1271,7 @@ def run_producer_with_relay(
 
 
 def goals(report: dict[str, Any]) -> dict[str, Any]:
+    """The issue's three goals, with the measured value and whether it was met."""
     verdicts: dict[str, Any] = {}
     if "throughput" in report:
         runs = report["throughput"]["runs"]

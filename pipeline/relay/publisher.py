@@ -67,9 +67,22 @@ class DramatiqRedisPublisher:
         self._dispatch = broker.scripts["dispatch"]
         self._wake_prefix = f"{broker.namespace}:pipeline-wake:"
 
-    def encode(self, delivery: Delivery) -> tuple[str, str]:
-        """The Redis message id and the Dramatiq message JSON of one delivery."""
-        envelopes = ",".join(encode_envelope(event, self.source) for event in delivery.events)
+    def encode(
+        self, delivery: Delivery, envelopes_by_event: dict[uuid.UUID, str] | None = None
+    ) -> tuple[str, str]:
+        """The Redis message id and the Dramatiq message JSON of one delivery.
+
+        ``envelopes_by_event`` caches envelopes across the deliveries of one batch, so an
+        event fanned out to several consumers is encoded once.
+        """
+        cache = {} if envelopes_by_event is None else envelopes_by_event
+        parts = []
+        for event in delivery.events:
+            text = cache.get(event.id)
+            if text is None:
+                text = cache[event.id] = encode_envelope(event, self.source)
+            parts.append(text)
+        envelopes = ",".join(parts)
         redis_id = str(uuid.uuid4())
         subscription = delivery.subscription
         body = (
@@ -89,8 +102,9 @@ class DramatiqRedisPublisher:
         queues: set[str] = set()
         now = str(int(time.time() * 1000))
         unpack = str(self.broker._max_unpack_size())
+        envelopes: dict[uuid.UUID, str] = {}
         for index, delivery in enumerate(deliveries):
-            redis_id, body = self.encode(delivery)
+            redis_id, body = self.encode(delivery, envelopes)
             if len(body) > self.max_message_bytes:
                 outcomes[index] = PermanentPublishError(
                     f"message of {len(body)} bytes exceeds the {self.max_message_bytes}-byte limit"
