@@ -32,7 +32,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -174,6 +174,14 @@ def produce_one(engine: Any, committed: dict[uuid.UUID, float]) -> None:
     committed[event_id] = time.time()
 
 
+def run_threads(target: Callable[[], None], count: int) -> None:
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
 def open_loop(engine: Any, rate: float, duration: float, producers: int) -> dict[uuid.UUID, float]:
     """Offer ``rate`` events/s on a fixed schedule (late sends are not skipped)."""
     committed: dict[uuid.UUID, float] = {}
@@ -193,11 +201,7 @@ def open_loop(engine: Any, rate: float, duration: float, producers: int) -> dict
                 time.sleep(delay)
             produce_one(engine, committed)
 
-    threads = [threading.Thread(target=run) for _ in range(producers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(run, producers)
     return committed
 
 
@@ -209,11 +213,7 @@ def closed_loop(engine: Any, duration: float, producers: int) -> dict[uuid.UUID,
         while time.perf_counter() < deadline:
             produce_one(engine, committed)
 
-    threads = [threading.Thread(target=run) for _ in range(producers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_threads(run, producers)
     return committed
 
 

@@ -174,10 +174,13 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
     ``messaging.batch.message_count`` is the number of events (set even for one event,
     since a delivery is a batch operation), and each link carries the event's
     ``messaging.message.id``. Events without a stored context get no link. The span is
-    not made current. Raising inside marks it failed; :func:`record_send_outcome` does
+    not made current. When all its events belong to one trace it is parented in that
+    trace (on the first event's creation context); otherwise it is a root. Raising inside
+    marks it failed; :func:`record_send_outcome` does
     the same for an outcome the publisher returned instead of raising.
     """
     tracer = _tracer()
+    links = _creation_links(events) if _links_wanted() else []
     span = tracer.start_span(
         f"send {destination}",
         kind=SEND_SPAN_KIND,
@@ -188,8 +191,8 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
             DESTINATION: destination,
             BATCH_COUNT: len(events),
         },
-        links=_creation_links(events) if _links_wanted() else None,
-        context=otel_context.Context(),  # a delivery has no parent: it is linked instead
+        links=links or None,
+        context=_single_trace_parent(links),
     )
     try:
         yield span
@@ -204,6 +207,18 @@ def record_send_outcome(span: Span, outcome: BaseException | None) -> None:
     """Mark a send span failed when the broker refused its delivery."""
     if outcome is not None:
         _fail(span, outcome)
+
+
+def _single_trace_parent(links: Sequence[Link]) -> otel_context.Context:
+    """Parent a delivery in its events' trace when they all share one; else make it a root.
+
+    A delivery of one workflow's events then appears inside that workflow's trace, while
+    a batch mixing traces cannot belong to any one of them and relies on its links.
+    """
+    traces = {link.context.trace_id for link in links}
+    if len(links) == 0 or len(traces) != 1:
+        return otel_context.Context()
+    return trace.set_span_in_context(trace.NonRecordingSpan(links[0].context))
 
 
 def _creation_links(events: Sequence[OutboxEvent]) -> list[Link]:

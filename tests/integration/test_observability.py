@@ -6,7 +6,6 @@ Real Postgres and Redis (fixtures), real relay and worker processes for the endp
 from __future__ import annotations
 
 import json
-import random
 import re
 import shutil
 import signal
@@ -30,15 +29,14 @@ from pipeline import NewEvent, Settings, configure
 from pipeline.envelope import decode_envelope
 from pipeline.observability import metrics, tracing
 from pipeline.observability.state import StateCollector
-from pipeline.registry import Registry
-from pipeline.relay.drain import Drainer
 from pipeline.relay.publisher import Delivery, PermanentPublishError
-from pipeline.runtime import Runtime, build_runtime
+from tests.integration.conftest import drainer_for
 from tests.support import (
     ROOT,
     pipeline_env,
     produce,
     queue_envelopes,
+    queue_messages,
     start_process,
     stop_process,
     wait_until,
@@ -86,33 +84,6 @@ def spans() -> Iterator[InMemorySpanExporter]:
     finally:
         capture.active = False
         capture.exporter.clear()
-
-
-@pytest.fixture
-def consumers() -> Registry:
-    registry = Registry()
-    registry.subscribe("audit", ["*"])
-    registry.subscribe("billing", ["order.placed", "order.paid"])
-    return registry
-
-
-@pytest.fixture
-def runtime(settings: Settings, consumers: Registry) -> Iterator[Runtime]:
-    value = build_runtime(settings, consumers)
-    yield value
-    value.close()
-
-
-def drainer_for(runtime: Runtime, publisher=None) -> Drainer:
-    conn = psycopg.connect(runtime.settings.require_database_url(), autocommit=True)
-    return Drainer(
-        runtime.settings,
-        publisher or runtime.publisher,
-        runtime.registry,
-        "test",
-        conn,
-        rng=random.Random(3),
-    )
 
 
 def by_name(exported, prefix: str) -> list[ReadableSpan]:
@@ -187,7 +158,9 @@ def test_create_send_process_form_one_trace(engine, runtime, spans):
     for queue, send in sends.items():
         assert send.name == f"send {queue}"
         assert send.kind is SpanKind.CLIENT  # the create span, not this one, is the producer
-        assert send.parent is None
+        # a delivery mixing two traces' events (the request's and none) would be a root;
+        # here every event came from the one request, so the send span joins its trace
+        assert send.parent is not None and send.context.trace_id == request_ctx.trace_id
         assert send.attributes["messaging.operation.type"] == "send"
         assert send.attributes["messaging.batch.message_count"] == len(send.links)
         assert len(send.links) == len(expected[queue])
@@ -222,6 +195,87 @@ def test_create_send_process_form_one_trace(engine, runtime, spans):
     assert follow_create.parent.span_id == process.context.span_id
     assert follow_create.context.trace_id == request_ctx.trace_id
     assert row_headers(engine, follow_up)["traceparent"] == traceparent_of(follow_create)
+
+
+def test_three_stage_workflow_is_one_trace_through_the_real_inbox(engine, relay_settings, spans):
+    """order.placed -> payment.charged -> stock.reserved, relayed and handled for real."""
+    from pipeline.inbox.consumer import consumer, definitions
+    from pipeline.inbox.processor import InboxProcessor
+    from pipeline.registry import Registry
+    from pipeline.runtime import build_runtime
+
+    routes = Registry()
+    chain = {"order.placed": "payment.charged", "payment.charged": "stock.reserved"}
+    for name, event_type in [
+        ("payments", "order.placed"),
+        ("inventory", "payment.charged"),
+        ("notifications", "stock.reserved"),
+    ]:
+
+        def handle(event, ctx) -> None:
+            follow = chain.get(event.type)
+            if follow:
+                ctx.publish(follow, {"order": event.data["order"]})
+
+        consumer(name, [event_type], registry=routes)(handle)
+    runtime = build_runtime(relay_settings, routes, set_global_broker=False)
+    processors = {
+        sub.queue: InboxProcessor(
+            relay_settings, sub, definition, lambda: engine, lambda envelopes, delay: None
+        )
+        for sub, definition in definitions(routes)
+    }
+    try:
+        tracer = trace.get_tracer("test")
+        with tracer.start_as_current_span("POST /orders") as request:
+            produce(engine, [NewEvent("order.placed", {"order": "o-1"}, aggregate_id="o-1")])
+        drainer = drainer_for(runtime)
+        handled: set[str] = set()
+        for _ in range(10):  # relay, then handle what arrived, until the chain is done
+            drainer.run_batch()
+            for queue, processor in processors.items():
+                for message in queue_messages(relay_settings, queue):
+                    if message["message_id"] not in handled:
+                        handled.add(message["message_id"])
+                        processor.handle(message["args"][0])
+            if len(handled) == 3:
+                break
+    finally:
+        runtime.close()
+    exported = spans.get_finished_spans()
+    assert {s.context.trace_id for s in exported} == {request.get_span_context().trace_id}
+    creates, sends = by_name(exported, "create "), by_name(exported, "send ")
+    processes = by_name(exported, "process ")
+    assert sorted(s.name for s in creates) == [
+        "create order.placed",
+        "create payment.charged",
+        "create stock.reserved",
+    ]
+    assert sorted(s.name for s in processes) == [
+        "process order.placed",
+        "process payment.charged",
+        "process stock.reserved",
+    ]
+    assert len(sends) == 3
+    for send in sends:
+        assert send.kind is SpanKind.CLIENT
+        assert send.attributes["messaging.batch.message_count"] == len(send.links) == 1
+    for process in processes:
+        assert process.kind is SpanKind.CONSUMER
+        event_id = process.attributes["messaging.message.id"]
+        stored = row_headers(engine, event_id)["traceparent"]
+        parent = process.parent
+        assert stored.split("-")[1:3] == [f"{parent.trace_id:032x}", f"{parent.span_id:016x}"]
+        assert process.attributes["messaging.consumer.group.name"] in {
+            "payments",
+            "inventory",
+            "notifications",
+        }
+    # each follow-up's create span is a child of the process span that published it
+    by_span = {s.context.span_id: s for s in exported}
+    for create in creates:
+        if create.name != "create order.placed":
+            assert by_span[create.parent.span_id].name.startswith("process ")
 
 
 def test_consumer_outcomes_are_span_events_without_payloads_or_messages(engine, runtime, spans):

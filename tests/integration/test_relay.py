@@ -5,56 +5,21 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import psycopg
 import pytest
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from pipeline import NewEvent, Settings, add_event, configure
+from pipeline import NewEvent, add_event
 from pipeline.observability import metrics
-from pipeline.registry import Registry
 from pipeline.relay.backoff import backoff_ceiling, full_jitter
 from pipeline.relay.drain import Drainer
 from pipeline.relay.publisher import Delivery, PublisherUnavailable
-from pipeline.runtime import Runtime, build_runtime
+from pipeline.runtime import build_runtime
+from tests.integration.conftest import drainer_for
 from tests.support import produce, queue_envelopes, queue_messages, running_relay, wait_until
-
-
-@pytest.fixture
-def relay_settings(settings: Settings) -> Iterator[Settings]:
-    fast = settings.replace(poll_interval_min=0.05, poll_interval_max=0.5, lease_seconds=2.0)
-    configure(fast)
-    yield fast
-    configure(settings)
-
-
-@pytest.fixture
-def consumers() -> Registry:
-    registry = Registry()
-    registry.subscribe("audit", ["*"])
-    registry.subscribe("billing", ["order.placed", "order.paid"])
-    return registry
-
-
-@pytest.fixture
-def runtime(relay_settings: Settings, consumers: Registry) -> Iterator[Runtime]:
-    value = build_runtime(relay_settings, consumers)
-    yield value
-    value.close()
-
-
-def drainer_for(runtime: Runtime, publisher=None) -> Drainer:
-    conn = psycopg.connect(runtime.settings.require_database_url(), autocommit=True)
-    return Drainer(
-        runtime.settings,
-        publisher or runtime.publisher,
-        runtime.registry,
-        "test",
-        conn,
-        rng=random.Random(7),
-    )
 
 
 def statuses(engine) -> dict[str, int]:
