@@ -14,6 +14,7 @@ import random
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -173,11 +174,14 @@ class Drainer:
             outcomes = self.publisher.deliver(deliveries)
             for span, outcome in zip(sends, outcomes, strict=True):
                 tracing.record_send_outcome(span, outcome)
+        attempts: Counter[str] = Counter()
         for delivery, outcome in zip(deliveries, outcomes, strict=True):
             for event in delivery.events:
-                metrics.publish_attempts.labels(event.event_type).inc()
+                attempts[event.event_type] += 1
                 if outcome is not None:
                     failures.setdefault(event.id, outcome)
+        for event_type, count in attempts.items():  # one metric update per type, not per event
+            metrics.publish_attempts.labels(event_type).inc(count)
         return failures
 
     def _settle(
@@ -288,15 +292,19 @@ class Drainer:
 
     def _count_sent(self, rows: list[tuple[Any, ...]], result: BatchResult) -> None:
         result.sent = len(rows)
+        sent_by_type: Counter[str] = Counter()
+        lags: dict[str, list[float]] = {}
         for _, created_at, published_at, event_type in rows:
-            if self.registry.routes_for(event_type):
-                metrics.events_published.labels(event_type).inc()
-            else:
-                metrics.events_unrouted.labels(event_type).inc()
-                result.unrouted += 1
-            metrics.publish_lag.labels(event_type).observe(
-                max(0.0, (published_at - created_at).total_seconds())
-            )
+            sent_by_type[event_type] += 1
+            lags.setdefault(event_type, []).append((published_at - created_at).total_seconds())
+        for event_type, count in sent_by_type.items():
+            routed = bool(self.registry.routes_for(event_type))
+            counter = metrics.events_published if routed else metrics.events_unrouted
+            counter.labels(event_type).inc(count)
+            result.unrouted += 0 if routed else count
+            histogram = metrics.publish_lag.labels(event_type)
+            for lag in lags[event_type]:
+                histogram.observe(max(0.0, lag))
 
     def drain(self, max_batches: int = 1_000_000, time_budget: float = float("inf")) -> int:
         """Run batches until no work is due, ``max_batches`` ran, or the time budget is spent."""

@@ -269,8 +269,8 @@ def test_redis_outage_keeps_events_pending_and_resumes(
                     for i in range(1, 101)
                 ],
             )
-            time.sleep(2.0)
-            assert statuses(engine) == {"sent": 1, "pending": 100}
+            time.sleep(2.0)  # several failed delivery rounds; between them nothing is leased
+            wait_until(lambda: statuses(engine) == {"sent": 1, "pending": 100}, timeout=15)
             with engine.connect() as c:  # an outage is not the events' fault
                 assert (
                     c.execute(
