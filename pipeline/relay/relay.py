@@ -146,6 +146,7 @@ class Relay:
         conn = self._connection()
         drainer = Drainer(self.settings, self.publisher, self.registry, self.relay_id, conn)
         interval = self.settings.poll_interval_min
+        found_last_cycle = False
         self._set_busy(conn, False, force=True)
         while not self.stop.is_set():
             timeout = self.settings.poll_interval_busy if self.busy else interval
@@ -160,10 +161,15 @@ class Relay:
             found, backlog = self._cycle(drainer)
             if found:
                 interval = self.settings.poll_interval_min
-                self._set_busy(conn, True)
+                # Busy only for sustained work: an isolated event keeps the relay on the
+                # NOTIFY path, which wakes it sooner than the busy poll would.
+                if backlog or found_last_cycle:
+                    self._set_busy(conn, True)
+                found_last_cycle = True
                 if backlog and self.mode != "inline" and self.dispatch is not None:
                     self.dispatch()
                 continue
+            found_last_cycle = False
             if self.busy:
                 self._hand_off(conn, drainer)
             elif conn.execute(self.queries["has_due_work"]).fetchone() == (True,):
