@@ -132,6 +132,15 @@ def load_lineage(
     return lineage
 
 
+def trace_url(template: str | None, trace_id: str | None) -> str | None:
+    """Where a trace UI shows the trace: ``{trace_id}`` filled in, else Jaeger's path."""
+    if not template or not trace_id:
+        return None
+    if "{trace_id}" in template:
+        return template.replace("{trace_id}", trace_id)
+    return f"{template.rstrip('/')}/trace/{trace_id}"
+
+
 def _ms(start: datetime, end: datetime | None) -> str:
     return f"+{(end - start).total_seconds() * 1000:.1f} ms" if end is not None else "—"
 
@@ -147,7 +156,7 @@ def render(lineage: Lineage, trace_ui_url: str | None = None, indent: str = "") 
         f"after {lineage.publish_attempts} attempt(s)",
     ]
     if lineage.trace_id:
-        link = f"  {trace_ui_url.rstrip('/')}/trace/{lineage.trace_id}" if trace_ui_url else ""
+        link = f"  {trace_url(trace_ui_url, lineage.trace_id)}" if trace_ui_url else ""
         lines.append(f"{indent}  trace      {lineage.trace_id}{link}")
     for attempt in lineage.failed_attempts:
         who = f" {attempt.consumer}" if attempt.consumer else ""

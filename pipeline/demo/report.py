@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from pipeline.admin.lineage import trace_url
 from pipeline.demo.app import CHARGES_PATH, CONFIRMATION_STEP, EMAILS_PATH
 from pipeline.demo.sql import DemoQueries
 from pipeline.demo.workload import poison_order_id
@@ -204,15 +205,6 @@ def _invariants(
 
 
 # -- the trace tree of one order -------------------------------------------------------------
-
-
-def trace_url(template: str | None, trace_id: str | None) -> str | None:
-    """Where a trace UI shows the trace: ``{trace_id}`` filled in, else Jaeger's path."""
-    if not template or not trace_id:
-        return None
-    if "{trace_id}" in template:
-        return template.replace("{trace_id}", trace_id)
-    return f"{template.rstrip('/')}/trace/{trace_id}"
 
 
 def _pick_order(latencies: list[Any]) -> str | None:
