@@ -666,7 +666,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     disk: dict[str, Any] | None = None
     if url is None:
         server = EmbeddedPostgres(durable=True)
-        server.start()
+        try:
+            server.start()
+        except BaseException:
+            server.cleanup()  # a failed start leaves its data directory behind
+            raise
         url = server.url
     try:
         if server is not None:
