@@ -116,8 +116,9 @@ def prepare_rows(events: Sequence[NewEvent], settings: Settings) -> list[dict[st
 def insertion_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Rows stably sorted by ordering key, the order in which the insert takes key locks.
 
-    The insert trigger locks each ordering key; taking the locks in one fixed order keeps
-    two concurrent batches from deadlocking each other. Each key keeps its events' order.
+    The insert trigger locks each ordering key (on a 64-bit hash of it); taking the locks
+    in one fixed order keeps two concurrent batches from deadlocking each other. Each key
+    keeps its events' order.
     """
     return sorted(
         rows, key=lambda row: (row["ordering_key"] is not None, row["ordering_key"] or "")

@@ -29,8 +29,16 @@ LANGUAGE plpgsql
 SET search_path FROM CURRENT
 AS $$
 BEGIN
-    PERFORM pg_advisory_xact_lock(1885958245, hashtext(NEW.ordering_key));
+    PERFORM pg_advisory_xact_lock(hashtextextended(NEW.ordering_key, 1885958245));
     NEW.seq := nextval(pg_get_serial_sequence('outbox', 'seq'));
+    -- Behind a head that waits for a retry, a new event waits at least as long: it could not
+    -- be published earlier anyway, and not being due keeps it out of the claim's scan window,
+    -- so a blocked key never crowds out the other keys.
+    NEW.next_attempt_at := greatest(NEW.next_attempt_at, (
+        SELECT o.next_attempt_at FROM outbox o
+        WHERE o.ordering_key = NEW.ordering_key AND o.status = 'pending'
+        ORDER BY o.seq DESC LIMIT 1
+    ));
     RETURN NEW;
 END
 $$;

@@ -13,7 +13,7 @@ SELECT pg_advisory_xact_lock(hashtext('pipeline.claim.' || %(schema_name)s));
 -- is claimed as a run with no unsent event before it or between its parts. Expired leases
 -- are reclaimed (their publisher died).
 WITH scanned AS (
-    SELECT o.id, o.ordering_key, o.seq
+    SELECT o.id, o.ordering_key, o.seq, o.status, o.lease_token
     FROM {schema}.outbox o
     WHERE o.status IN ('pending', 'publishing')
       AND ((o.status = 'pending' AND o.next_attempt_at <= clock_timestamp())
@@ -41,7 +41,7 @@ WITH scanned AS (
            bool_and(c.gap_free) OVER (PARTITION BY c.ordering_key ORDER BY c.seq) AS run_ok
     FROM checked c
 ), chosen AS (
-    SELECT r.id FROM runs r
+    SELECT r.id, r.status, r.lease_token FROM runs r
     WHERE (r.ordering_key IS NULL OR (r.run_ok AND r.run_position <= %(max_run)s))
     ORDER BY r.seq
     LIMIT %(batch_size)s
@@ -53,7 +53,11 @@ SET status = 'publishing',
     lease_owner = %(owner)s,
     lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
 FROM chosen
-WHERE o.id = chosen.id
+-- Still in the state it was chosen in: a stale publisher may have marked an expired lease
+-- sent (or dead) since the snapshot; that outcome stands. Due-ness is not re-checked, so a
+-- key's run is taken whole or not at all.
+WHERE o.id = chosen.id AND o.status = chosen.status
+  AND o.lease_token IS NOT DISTINCT FROM chosen.lease_token
 RETURNING o.id, o.seq, o.aggregate_type, o.aggregate_id, o.ordering_key,
           o.event_type, o.event_version, o.payload::text, o.headers::text, o.attempts,
           o.created_at;

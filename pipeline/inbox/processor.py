@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dramatiq.middleware import TimeLimitExceeded
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
@@ -174,15 +175,17 @@ class InboxProcessor:
                 tracing.mark_duplicate(span)
             return None
         attempt = int(row[0])
-        version, data = self.upcasters.upcast(event.type, event.version, event.data)
-        current = event if version == event.version else _with_payload(event, version, data)
-        context = HandlerContext(current, session, consumer, attempt, self.subscription.queue)
         started = time.perf_counter()
         with tracing.process_span(event, consumer, attempt) as span:
-            try:
+            try:  # upcasting belongs to the attempt: a failing upcaster fails only this event
+                version, data = self.upcasters.upcast(event.type, event.version, event.data)
+                current = event if version == event.version else _with_payload(event, version, data)
+                context = HandlerContext(
+                    current, session, consumer, attempt, self.subscription.queue
+                )
                 self.definition.function(current, context)
                 session.flush()
-            except Exception as exc:
+            except (Exception, TimeLimitExceeded) as exc:
                 savepoint.rollback()
                 metrics.handler_duration.labels(consumer, event.type).observe(
                     time.perf_counter() - started
@@ -201,7 +204,7 @@ class InboxProcessor:
         envelope: dict[str, Any],
         event: ReceivedEvent,
         attempt: int,
-        exc: Exception,
+        exc: BaseException,
         outcome: Outcome,
         span: Any,
     ) -> Resend | None:
@@ -216,7 +219,14 @@ class InboxProcessor:
             "error_class": type(exc).__name__,
             "status": "dead" if dead else "failed",
         }
-        connection.exec_driver_sql(self.queries.text("inbox_fail"), params)
+        recorded = connection.exec_driver_sql(self.queries.text("inbox_fail"), params).first()
+        if recorded is None:
+            # Rolling back to the savepoint released the claim's row lock, and a concurrent
+            # copy of this event has since processed (or dead-lettered) it: a duplicate.
+            outcome.duplicates += 1
+            metrics.inbox_duplicates.labels(consumer, event.type).inc()
+            tracing.mark_duplicate(span)
+            return None
         if dead:
             reason = (
                 f"non-retryable {type(exc).__name__}"

@@ -329,3 +329,30 @@ def test_many_threads_claiming_never_double_deliver_and_keep_key_order(engine, r
         key, seq = env["pipelineorderingkey"], env["pipelineseq"]
         assert seq > last.get(key, -1), f"key {key} out of order"
         last[key] = seq
+
+
+def test_a_blocked_key_does_not_crowd_other_keys_out_of_the_claim(engine, runtime):
+    """Events queued behind a head that waits for a retry must not fill the scan window."""
+    drainer = drainer_for(runtime)
+    drainer.settings = runtime.settings.replace(batch_size=10)  # scan window: 40 rows
+    produce(engine, [NewEvent("order.placed", {"n": 0}, aggregate_id="stuck")])
+    with engine.begin() as conn:  # its head failed and waits an hour for its next attempt
+        conn.execute(text("UPDATE pipeline.outbox SET next_attempt_at = now() + interval '1 hour'"))
+    produce(
+        engine, [NewEvent("order.placed", {"n": n}, aggregate_id="stuck") for n in range(1, 101)]
+    )
+    others = produce(
+        engine,
+        [NewEvent("order.placed", {"k": 1}, aggregate_id="other"), NewEvent("user.seen", {"u": 1})],
+    )
+    claimed = [event.id for event in drainer.claim()[1]]
+    assert sorted(claimed) == sorted(others)
+    with engine.connect() as conn:
+        waiting = conn.execute(
+            text(
+                "SELECT count(*) FROM pipeline.outbox WHERE ordering_key = :key"
+                " AND next_attempt_at > now() + interval '50 minutes'"
+            ),
+            {"key": ":stuck"},
+        ).scalar()
+    assert waiting == 101  # the whole key waits with its head
