@@ -53,3 +53,10 @@ INSERT INTO {schema}.inbox (consumer, event_id, event_type, ordering_key, seq, s
 SELECT * FROM unnest(%(consumers)s::text[], %(event_ids)s::uuid[], %(event_types)s::text[],
                      %(ordering_keys)s::text[], %(seqs)s::bigint[], %(statuses)s::text[])
 ON CONFLICT (consumer, event_id) DO NOTHING;
+
+-- name: inbox_give_up
+-- A delivered event that was dead-lettered as a message (unreadable envelope, redelivery
+-- exhausted) is finished for its consumer: later events of its key must not wait for it.
+UPDATE {schema}.inbox
+SET status = 'dead', last_error = %(error)s, last_error_class = 'UnprocessableMessage'
+WHERE consumer = %(consumer)s AND event_id = ANY(%(event_ids)s) AND status IN ('pending', 'failed');

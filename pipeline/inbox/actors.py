@@ -26,11 +26,12 @@ from sqlalchemy import Engine
 from pipeline.config import Settings
 from pipeline.db.connect import make_engine
 from pipeline.inbox.consumer import check_retention, definitions
-from pipeline.inbox.processor import InboxProcessor, record_unreadable
-from pipeline.registry import Registry
+from pipeline.inbox.processor import InboxProcessor, envelope_id, record_unreadable
+from pipeline.registry import Registry, actor_name_for
 
 log = logging.getLogger("pipeline.inbox")
 INFRASTRUCTURE_RETRIES = 1000
+ACTOR_PREFIX = actor_name_for("")
 
 
 class ProcessEngine:
@@ -79,13 +80,18 @@ class DeadLetterUnknownActors(Middleware):
             )
         else:
             reason = f"gave up after infrastructure retries: {type(exception).__name__}"
+        envelopes = message.args[0] if message.args and isinstance(message.args[0], list) else []
+        carried = [i for i in (envelope_id(e) for e in envelopes) if i is not None]
+        consumer = message.actor_name.removeprefix(ACTOR_PREFIX)
         try:
             record_unreadable(
                 self.settings,
                 self.engine(),
                 message.queue_name,
                 reason,
+                consumer=consumer if message.actor_name.startswith(ACTOR_PREFIX) else None,
                 envelope={"actor_name": message.actor_name, "args": list(message.args)},
+                event_ids=carried,
             )
         except Exception:  # the message itself stays in Dramatiq's dead-letter queue
             log.exception("could not record a dead letter", extra={"queue": message.queue_name})

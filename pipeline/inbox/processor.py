@@ -319,14 +319,15 @@ def record_unreadable(
     envelope: Any = None,
     raw: bytes | None = None,
     event_type: str | None = None,
+    event_ids: Sequence[uuid.UUID] = (),
 ) -> None:
-    """Dead-letter something that is not a processable event, keeping it for inspection."""
-    event_id = None
-    if isinstance(envelope, dict):
-        try:
-            event_id = uuid.UUID(str(envelope.get("id")))
-        except ValueError:
-            event_id = None
+    """Dead-letter something that is not a processable event, keeping it for inspection.
+
+    Events it carried (``event_ids``, or the envelope's own id) are marked dead for
+    ``consumer``, so an ordered consumer's later events of their keys stop waiting.
+    """
+    event_id = envelope_id(envelope)
+    carried = list(event_ids) or ([event_id] if event_id is not None else [])
     try:
         envelope_json = json.dumps(envelope) if envelope is not None else None
     except (TypeError, ValueError):
@@ -347,8 +348,23 @@ def record_unreadable(
                 "raw_message": raw.decode("utf-8", "backslashreplace") if raw is not None else None,
             },
         )
+        if consumer is not None and carried:
+            connection.exec_driver_sql(
+                queries_for(settings.schema_name).text("inbox_give_up"),
+                {"consumer": consumer, "event_ids": carried, "error": reason},
+            )
     metrics.dead_letters.labels("consume", event_type or "unknown", "UnprocessableMessage").inc()
     log.error("unprocessable message dead-lettered", extra={"queue": queue, "reason": reason})
+
+
+def envelope_id(envelope: Any) -> uuid.UUID | None:
+    """The event id of something that looks like an envelope, else None."""
+    if not isinstance(envelope, dict):
+        return None
+    try:
+        return uuid.UUID(str(envelope.get("id")))
+    except ValueError:
+        return None
 
 
 def _with_payload(event: ReceivedEvent, version: int, data: Any) -> ReceivedEvent:

@@ -341,3 +341,50 @@ def test_retention_shorter_than_redelivery_horizon_is_refused(settings):
     with pytest.raises(ConfigurationError, match="redelivery horizon of 36000 s"):
         check_retention(settings.replace(inbox_retention_seconds=3600), routes)
     check_retention(settings.replace(inbox_retention_seconds=36000), routes)
+
+
+def test_a_dead_lettered_envelope_does_not_block_its_key_for_an_ordered_consumer(
+    engine, inbox_settings
+):
+    from pipeline.inbox.consumer import consumer, definitions
+    from pipeline.inbox.processor import InboxProcessor
+
+    routes = Registry()
+    handled: list[int] = []
+    consumer("seq", ["step"], ordered=True, registry=routes)(
+        lambda event, ctx: handled.append(event.seq)
+    )
+    subscription, definition = definitions(routes)[0]
+    resent: list = []
+    processor = InboxProcessor(
+        inbox_settings,
+        subscription,
+        definition,
+        lambda: engine,
+        lambda envelopes, delay: resent.append(envelopes),
+    )
+    first, second = uuid.uuid4(), uuid.uuid4()
+    with engine.begin() as conn:  # what the relay records when it delivers the key's events
+        conn.execute(
+            text(
+                "INSERT INTO pipeline.inbox"
+                " (consumer, event_id, event_type, ordering_key, seq, status)"
+                " VALUES ('seq', :a, 'step', 'k', 1, 'pending'),"
+                " ('seq', :b, 'step', 'k', 2, 'pending')"
+            ),
+            {"a": first, "b": second},
+        )
+    broken = {"specversion": "1.0", "id": str(first), "type": "step", "source": "/t"}  # no data
+    good = dict(broken, id=str(second), data={}, pipelineseq=2, pipelineorderingkey="k")
+    outcome = processor.handle([broken, good])
+    assert (outcome.dead, outcome.processed, outcome.deferred) == (1, 1, 0)
+    assert handled == [2] and resent == []
+    with engine.connect() as conn:
+        statuses = dict(
+            conn.execute(
+                text("SELECT event_id, status FROM pipeline.inbox WHERE consumer = 'seq'")
+            ).all()
+        )
+        reason = conn.execute(text("SELECT reason FROM pipeline.dead_letters")).scalar()
+    assert statuses == {first: "dead", second: "processed"}
+    assert reason == "invalid envelope: envelope has no data"
