@@ -104,6 +104,14 @@ GOAL_RATIO = 0.9
 # -- small helpers -------------------------------------------------------------------------
 
 
+def _join_or_kill(processes: Sequence[Any]) -> None:
+    """Wait for benchmark child processes; kill any that outlive the grace period."""
+    for process in processes:
+        process.join(timeout=30)
+        if process.is_alive():
+            process.kill()
+
+
 def latency_summary(values: Sequence[float]) -> dict[str, Any]:
     """Count, p50/p90/p99/max/mean in milliseconds of durations given in seconds."""
     if not values:
@@ -519,10 +527,7 @@ def drain_parallel(ctx: Context, batch_size: int, count: int = 2) -> dict[str, A
     finally:
         go.set()
         finish.set()
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+        _join_or_kill(processes)
     wall = max(r["ended"] for r in collected) - min(r["started"] for r in collected)
     sent = sum(r["sent"] for r in collected)
     batches = sum(r["batches"] for r in collected)
@@ -894,10 +899,7 @@ def produce_sustained(
     finally:
         go.set()
         finish.set()
-        for worker in workers:
-            worker.join(timeout=30)
-            if worker.is_alive():
-                worker.kill()
+        _join_or_kill(workers)
     commits = {event_id: done for part in parts for event_id, done, _ in part}
     behind = [done - due for part in parts for _, done, due in part]
     producer_pids = [w.pid for w in workers if w.pid is not None]

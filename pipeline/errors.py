@@ -41,3 +41,11 @@ class MigrationError(PipelineError):
 
 class NotFoundError(PipelineError, LookupError):
     """An id given by an operator matches nothing."""
+
+
+MAX_ERROR_LENGTH = 2000
+
+
+def error_text(exc: BaseException) -> str:
+    """How a failure is stored (attempts, dead letters): class and message, bounded in size."""
+    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LENGTH]

@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from pipeline.config import Settings
 from pipeline.db.queries import queries_for
 from pipeline.envelope import EnvelopeError, ReceivedEvent, decode_envelope
+from pipeline.errors import error_text
 from pipeline.inbox.consumer import ConsumerDefinition
 from pipeline.inbox.context import HandlerContext
 from pipeline.inbox.upcasting import Upcasters, upcasters
@@ -41,12 +42,7 @@ from pipeline.registry import Subscription
 from pipeline.relay.backoff import full_jitter
 
 log = logging.getLogger("pipeline.inbox")
-MAX_ERROR_LENGTH = 2000
 DEFER_DELAY = 0.05  # seconds before a deferred ordered event looks at its predecessor again
-
-
-def error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LENGTH]
 
 
 @dataclass

@@ -25,6 +25,7 @@ import psycopg
 from pipeline.config import Settings
 from pipeline.db.queries import queries_for
 from pipeline.envelope import OutboxEvent
+from pipeline.errors import error_text
 from pipeline.observability import metrics, tracing
 from pipeline.registry import Registry, Subscription
 from pipeline.relay.backoff import full_jitter
@@ -36,7 +37,6 @@ from pipeline.relay.publisher import (
 )
 
 log = logging.getLogger("pipeline.relay")
-MAX_ERROR_LENGTH = 2000
 
 
 @dataclass
@@ -48,10 +48,6 @@ class BatchResult:
     released: int = 0
     dead: int = 0
     full: bool = False  # the claim was cut by the batch size: more work is probably due
-
-
-def _error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LENGTH]
 
 
 def plan_deliveries(
@@ -232,7 +228,7 @@ class Drainer:
                         "ids": [e.id for e, _, _ in dead],
                         "reasons": [reason for _, _, reason in dead],
                         "error_classes": [type(x).__name__ for _, x, _ in dead],
-                        "errors": [_error_text(x) for _, x, _ in dead],
+                        "errors": [error_text(x) for _, x, _ in dead],
                     },
                 )
         for event, error, reason in dead:
@@ -287,7 +283,7 @@ class Drainer:
                 for event, _ in retry
             ],
             "error_classes": [type(error).__name__ for _, error in retry],
-            "errors": [_error_text(error) for _, error in retry],
+            "errors": [error_text(error) for _, error in retry],
         }
 
     def _count_sent(self, rows: list[tuple[Any, ...]], result: BatchResult) -> None:
