@@ -24,9 +24,13 @@ $$;
 -- of its key that is still to commit, and the relay can publish a key in seq order as soon
 -- as its events are visible. Concurrent producers of one key queue here, as they would on
 -- the aggregate's row lock.
+-- enable_seqscan is off inside: PL/pgSQL caches the lookup's plan per connection, and a
+-- plan made while the outbox looked empty (after a TRUNCATE, a fresh install, a VACUUM)
+-- would otherwise scan every unsent row on each insert for the life of the connection.
 CREATE OR REPLACE FUNCTION sequence_ordered_event() RETURNS trigger
 LANGUAGE plpgsql
 SET search_path FROM CURRENT
+SET enable_seqscan = off
 AS $$
 BEGIN
     PERFORM pg_advisory_xact_lock(hashtextextended(NEW.ordering_key, 1885958245));

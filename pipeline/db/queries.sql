@@ -16,8 +16,8 @@ WITH scanned AS (
     SELECT o.id, o.ordering_key, o.seq, o.status, o.lease_token
     FROM {schema}.outbox o
     WHERE o.status IN ('pending', 'publishing')
-      AND ((o.status = 'pending' AND o.next_attempt_at <= clock_timestamp())
-           OR (o.status = 'publishing' AND o.lease_expires_at < clock_timestamp()))
+      AND ((o.status = 'pending' AND o.next_attempt_at <= statement_timestamp())
+           OR (o.status = 'publishing' AND o.lease_expires_at < statement_timestamp()))
     ORDER BY o.seq
     LIMIT %(scan_limit)s
 ), placed AS (
@@ -41,7 +41,7 @@ WITH scanned AS (
            bool_and(c.gap_free) OVER (PARTITION BY c.ordering_key ORDER BY c.seq) AS run_ok
     FROM checked c
 ), chosen AS (
-    SELECT r.id, r.status, r.lease_token FROM runs r
+    SELECT r.id FROM runs r
     WHERE (r.ordering_key IS NULL OR (r.run_ok AND r.run_position <= %(max_run)s))
     ORDER BY r.seq
     LIMIT %(batch_size)s
@@ -52,12 +52,14 @@ SET status = 'publishing',
     lease_token = %(token)s,
     lease_owner = %(owner)s,
     lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
-FROM chosen
--- Still in the state it was chosen in: a stale publisher may have marked an expired lease
--- sent (or dead) since the snapshot; that outcome stands. Due-ness is not re-checked, so a
--- key's run is taken whole or not at all.
-WHERE o.id = chosen.id AND o.status = chosen.status
-  AND o.lease_token IS NOT DISTINCT FROM chosen.lease_token
+-- The ids as an array: primary-key lookups whatever the planner thinks of the CTE's size
+-- (a hash join over the whole outbox cost more than the rest of the claim).
+WHERE o.id = ANY (ARRAY(SELECT id FROM chosen))
+-- Still claimable: a stale publisher may have marked an expired lease sent (or dead) since
+-- the snapshot, and that outcome stands. One it gave back (released, or rescheduled for a
+-- retry) is pending again and is taken now, so a key's run is claimed whole.
+  AND ((o.status = 'pending' AND o.lease_token IS NULL)
+       OR (o.status = 'publishing' AND o.lease_expires_at < statement_timestamp()))
 RETURNING o.id, o.seq, o.aggregate_type, o.aggregate_id, o.ordering_key,
           o.event_type, o.event_version, o.payload::text, o.headers::text, o.attempts,
           o.created_at;

@@ -28,7 +28,6 @@ and neither do exception messages: errors are recorded by class only.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import os
 import threading
@@ -225,10 +224,8 @@ def _creation_links(events: Sequence[OutboxEvent]) -> list[Link]:
     links: list[Link] = []
     for event in events:
         try:
-            headers = json.loads(event.headers_json)
+            headers = event.headers
         except ValueError:
-            continue
-        if not isinstance(headers, dict):
             continue
         span_context = headers_span_context(headers)
         if span_context is not None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis
+from redis.exceptions import NoScriptError
 
 from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.registry import Subscription
@@ -97,12 +98,10 @@ class DramatiqRedisPublisher:
         if not deliveries:
             return []
         outcomes: list[BaseException | None] = [None] * len(deliveries)
-        pipe = self.broker.client.pipeline(transaction=False)
-        sent: list[int] = []
-        queues: set[str] = set()
+        envelopes: dict[uuid.UUID, str] = {}
+        commands: dict[int, tuple[str, list[str]]] = {}  # delivery index -> queue, script args
         now = str(int(time.time() * 1000))
         unpack = str(self.broker._max_unpack_size())
-        envelopes: dict[uuid.UUID, str] = {}
         for index, delivery in enumerate(deliveries):
             redis_id, body = self.encode(delivery, envelopes)
             if len(body) > self.max_message_bytes:
@@ -111,36 +110,59 @@ class DramatiqRedisPublisher:
                 )
                 continue
             queue = delivery.subscription.queue
-            args = [
-                "enqueue",
-                now,
+            commands[index] = (
                 queue,
-                self.broker.broker_id,
-                self.broker.heartbeat_timeout,
-                self.broker.dead_message_ttl,
-                "0",
-                unpack,
-                redis_id,
-                body,
-            ]
-            self._dispatch(keys=[self.broker.namespace], args=args, client=pipe)
-            sent.append(index)
-            queues.add(queue)
-        for queue in sorted(queues):  # wake idle consumers of these queues at once
-            pipe.lpush(self._wake_prefix + queue, "1")
+                [
+                    "enqueue",
+                    now,
+                    queue,
+                    self.broker.broker_id,
+                    self.broker.heartbeat_timeout,
+                    self.broker.dead_message_ttl,
+                    "0",
+                    unpack,
+                    redis_id,
+                    body,
+                ],
+            )
+        results = self._enqueue(commands)
+        if any(isinstance(result, NoScriptError) for result in results.values()):
+            # The server lost its script cache (restart, SCRIPT FLUSH): load it, send again.
+            self._load_script()
+            retry = {i: commands[i] for i, r in results.items() if isinstance(r, NoScriptError)}
+            results.update(self._enqueue(retry))
+        for index, result in results.items():
+            if isinstance(result, BaseException):
+                outcomes[index] = result
+        return outcomes
+
+    def _enqueue(self, commands: dict[int, tuple[str, list[str]]]) -> dict[int, object]:
+        """One pipelined round trip: EVALSHA of Dramatiq's dispatch script per message.
+
+        Calling EVALSHA directly (not through redis-py's Script object) saves the SCRIPT
+        EXISTS round trip that redis-py adds before every pipeline holding a script.
+        """
+        if not commands:
+            return {}
+        pipe = self.broker.client.pipeline(transaction=False)
+        for _queue, args in commands.values():
+            pipe.evalsha(self._dispatch.sha, 1, self.broker.namespace, *args)
+        for queue in sorted({queue for queue, _ in commands.values()}):
+            pipe.lpush(self._wake_prefix + queue, "1")  # wake idle consumers of these queues
             pipe.ltrim(self._wake_prefix + queue, 0, 0)
         try:
             results = pipe.execute(raise_on_error=False)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
         except redis.RedisError as exc:
-            for index in sent:
-                outcomes[index] = exc
-            return outcomes
-        for index, result in zip(sent, results, strict=False):
-            if isinstance(result, BaseException):
-                outcomes[index] = result
-        return outcomes
+            return dict.fromkeys(commands, exc)
+        return dict(zip(commands, results, strict=False))
+
+    def _load_script(self) -> None:
+        try:
+            self._dispatch.sha = self.broker.client.script_load(self._dispatch.script)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
 
     def close(self) -> None:
         self.broker.client.close()
