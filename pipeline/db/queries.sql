@@ -69,7 +69,7 @@ UPDATE {schema}.outbox
 SET status = 'sent', published_at = clock_timestamp(),
     lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL
 WHERE id = ANY(%(ids)s) AND lease_token = %(token)s AND status = 'publishing'
-RETURNING id, created_at, published_at, event_type;
+RETURNING id, event_type, extract(epoch FROM published_at - created_at)::float8;
 
 -- name: release
 -- Give back claimed events that were not attempted (an earlier event of their key failed).

@@ -99,7 +99,11 @@ outbox = Table(
         postgresql_where=text("status IN ('pending', 'publishing') AND ordering_key IS NOT NULL"),
     ),
     Index("outbox_published_idx", "published_at", postgresql_where=text("status = 'sent'")),
-    Index("outbox_causation_idx", text("(headers ->> 'causation_id')")),
+    Index(
+        "outbox_causation_idx",
+        text("(headers ->> 'causation_id')"),
+        postgresql_where=text("(headers ->> 'causation_id') IS NOT NULL"),
+    ),
 )
 
 inbox = Table(

@@ -119,9 +119,11 @@ class Drainer:
             "owner": self.owner,
             "lease_seconds": self.settings.lease_seconds,
         }
-        with self.conn.transaction():
+        # Pipeline mode: BEGIN, lock, claim and COMMIT reach the server in one round trip.
+        with self.conn.pipeline(), self.conn.transaction():
             self.conn.execute(self.queries["claim_lock"], params)
-            rows = self.conn.execute(self.queries["claim"], params).fetchall()
+            cursor = self.conn.execute(self.queries["claim"], params, binary=True)
+        rows = cursor.fetchall()
         events = [
             OutboxEvent(
                 id=row[0],
@@ -213,13 +215,14 @@ class Drainer:
                 dead.append((event, error, f"gave up after {event.attempts} attempts"))
             else:
                 retry.append((event, error))
-        with self.conn.transaction():
+        # One round trip (pipeline mode) for the whole outcome, in one transaction.
+        marked = None
+        with self.conn.pipeline(), self.conn.transaction():
             if sent:
-                rows = self.conn.execute(
-                    self.queries["mark_sent"], {"ids": sent, "token": token}
-                ).fetchall()
-                self._count_sent(rows, result)
-                self._expect_ordered_deliveries(events, {row[0] for row in rows})
+                marked = self.conn.execute(
+                    self.queries["mark_sent"], {"ids": sent, "token": token}, binary=True
+                )
+                self._expect_ordered_deliveries(events, set(sent))
             if released:
                 self.conn.execute(self.queries["release"], {"ids": released, "token": token})
             if retry:
@@ -235,6 +238,8 @@ class Drainer:
                         "errors": [error_text(x) for _, x, _ in dead],
                     },
                 )
+        if marked is not None:
+            self._count_sent(marked.fetchall(), result)
         for event, error, reason in dead:
             metrics.dead_letters.labels("publish", event.event_type, type(error).__name__).inc()
             log.error(
@@ -249,7 +254,11 @@ class Drainer:
         result.released, result.retried, result.dead = len(released), len(retry), len(dead)
 
     def _expect_ordered_deliveries(self, events: list[OutboxEvent], sent: set[uuid.UUID]) -> None:
-        """Tell ordered consumers which events of a key are on their way (inbox 'pending')."""
+        """Tell ordered consumers which events of a key are on their way (inbox 'pending').
+
+        Recorded for every event the broker accepted, in the transaction that marks them
+        sent: no later event of the key can be claimed before that commits.
+        """
         rows = [
             (subscription.consumer, event.id, event.event_type, event.ordering_key, event.seq)
             for event in events
@@ -294,9 +303,9 @@ class Drainer:
         result.sent = len(rows)
         sent_by_type: Counter[str] = Counter()
         lags: dict[str, list[float]] = {}
-        for _, created_at, published_at, event_type in rows:
+        for _, event_type, lag in rows:
             sent_by_type[event_type] += 1
-            lags.setdefault(event_type, []).append((published_at - created_at).total_seconds())
+            lags.setdefault(event_type, []).append(lag)
         for event_type, count in sent_by_type.items():
             routed = bool(self.registry.routes_for(event_type))
             counter = metrics.events_published if routed else metrics.events_unrouted
