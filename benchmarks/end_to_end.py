@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import multiprocessing
 import os
+import resource
 import shlex
 import signal
 import subprocess
@@ -42,6 +44,7 @@ import psycopg
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
+from benchmarks import producer_cost as pc
 from benchmarks.producer_cost import _machine, _ms, _percentile
 from pipeline.config import Settings, configure
 from pipeline.db.migrate import upgrade
@@ -106,19 +109,22 @@ class OtlpSink(ThreadingHTTPServer):
 
 
 def observability_env(mode: str, sink: OtlpSink) -> dict[str, str]:
-    """``on``: spans exported over OTLP/HTTP, both /metrics endpoints served; ``off``: neither."""
-    if mode == "off":
-        return {
-            "OTEL_SDK_DISABLED": "true",
-            "PIPELINE_METRICS_PORT": "0",
-            "PIPELINE_WORKER_METRICS_PORT": "0",
-        }
-    return {
-        "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
-        "PIPELINE_METRICS_PORT": str(free_port()),
-        "PIPELINE_WORKER_METRICS_PORT": str(free_port()),
-    }
+    """The environment of one observability mode.
+
+    ``on``: spans exported over OTLP/HTTP (producers too) and both /metrics endpoints
+    served; ``off``: neither; ``tracing`` or ``metrics``: only that half (to split the cost).
+    """
+    if mode not in ("on", "off", "tracing", "metrics"):
+        raise SystemExit(f"unknown observability mode {mode!r}: use on, off, tracing, metrics")
+    env: dict[str, str] = {}
+    if mode in ("on", "tracing"):
+        env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint)
+    else:
+        env["OTEL_SDK_DISABLED"] = "true"
+    metrics_on = mode in ("on", "metrics")
+    env["PIPELINE_METRICS_PORT"] = str(free_port()) if metrics_on else "0"
+    env["PIPELINE_WORKER_METRICS_PORT"] = str(free_port()) if metrics_on else "0"
+    return env
 
 
 class Pipeline:
@@ -231,9 +237,78 @@ def wait_processed(engine: Any, ids: Sequence[uuid.UUID], timeout: float) -> dic
     return done
 
 
-def measure_rate(engine: Any, rate: float, duration: float, producers: int) -> dict[str, Any]:
+def _producer_child(
+    env: dict[str, str], url: str, loop: str, args: tuple[float, ...], out: Any
+) -> None:
+    """Run producers in a process of their own, traced as the mode says (``on``: exported)."""
+    os.environ.update(env)
+    from pipeline.observability.tracing import configure_tracing, shutdown_tracing
+
+    settings = Settings(database_url=url)  # type: ignore[arg-type]
+    configure(settings)
+    configure_tracing(settings, "bench-producer")
+    engine = create_engine(settings.sqlalchemy_url(), pool_size=int(args[-1]) + 2)
+    if loop == "open":
+        committed = open_loop(engine, args[0], args[1], int(args[2]))
+    else:
+        committed = closed_loop(engine, args[0], int(args[1]))
+    engine.dispose()
+    shutdown_tracing()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out.put(({str(k): v for k, v in committed.items()}, usage.ru_utime + usage.ru_stime))
+
+
+def run_producers(
+    env: dict[str, str], url: str, loop: str, *args: float
+) -> tuple[dict[uuid.UUID, float], float]:
+    """Producers in a spawned process (its own tracing set-up).
+
+    Returns commit times by event id, and the CPU seconds the producer process used.
+    """
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_producer_child, args=(env, url, loop, args, queue))
+    child.start()
+    committed, cpu_seconds = queue.get()
+    child.join()
+    return {uuid.UUID(k): v for k, v in committed.items()}, cpu_seconds
+
+
+def cpu_by_component(
+    before: pc.CpuSample, after: pc.CpuSample, pipeline: Pipeline, producer_cpu: float, events: int
+) -> dict[str, float]:
+    """CPU milliseconds per processed event, by component (where tracing's cost lands)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    relay, workers = pipeline.processes
+    roots = {relay.pid: "relay", workers.pid: "workers", os.getpid(): "benchmark (OTLP sink)"}
+
+    def component(pid: int) -> str:
+        for _ in range(20):
+            if pid in roots:
+                return roots[pid]
+            name, ppid, _ = after.processes.get(pid, ("", 1, 0))
+            if name in ("postgres", "redis-server"):
+                return name
+            if ppid <= 1:
+                break
+            pid = ppid
+        return "other"
+
+    ticks: dict[str, int] = {}
+    for pid, (_, _, used) in after.processes.items():
+        if pid in before.processes:
+            name = component(pid)
+            ticks[name] = ticks.get(name, 0) + used - before.processes[pid][2]
+    split = {name: round(1000 * t / hz / max(events, 1), 3) for name, t in sorted(ticks.items())}
+    split["producers"] = round(1000 * producer_cpu / max(events, 1), 3)
+    return split
+
+
+def measure_rate(
+    env: dict[str, str], url: str, engine: Any, rate: float, duration: float, producers: int
+) -> dict[str, Any]:
     started = time.time()
-    committed = open_loop(engine, rate, duration, producers)
+    committed, _ = run_producers(env, url, "open", rate, duration, producers)
     last_commit = max(committed.values())
     done = wait_processed(engine, list(committed), timeout=60)
     latencies = [done[str(i)] - t for i, t in committed.items() if str(i) in done]
@@ -261,14 +336,23 @@ def machine_busy_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def measure_throughput(engine: Any, duration: float, producers: int) -> dict[str, Any]:
+def measure_throughput(
+    env: dict[str, str],
+    url: str,
+    engine: Any,
+    duration: float,
+    producers: int,
+    pipeline: Pipeline,
+) -> dict[str, Any]:
     """Closed loop; also the machine's CPU per event (stabler than rates on 2 busy cores)."""
     busy_before = machine_busy_seconds()
+    sample_before = pc._sample()
     started = time.time()
-    committed = closed_loop(engine, duration, producers)
+    committed, producer_cpu = run_producers(env, url, "closed", duration, producers)
     ended = time.time()
     done = wait_processed(engine, list(committed), timeout=120)
     busy = machine_busy_seconds() - busy_before
+    split = cpu_by_component(sample_before, pc._sample(), pipeline, producer_cpu, len(done))
     window_start, window_end = started + 2, ended  # skip the ramp-up
     in_window = sum(1 for d in done.values() if window_start <= d <= window_end)
     finished = max(done.values(), default=ended)
@@ -281,6 +365,7 @@ def measure_throughput(engine: Any, duration: float, producers: int) -> dict[str
         "drain_seconds_after_last_commit": round(finished - ended, 2),
         "end_to_end_per_s": round(len(done) / (finished - started), 1),
         "machine_cpu_ms_per_event": round(busy * 1000 / max(len(done), 1), 3),
+        "cpu_ms_per_event_by_component": split,
     }
 
 
@@ -295,7 +380,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--observability",
         default="on",
-        help="comma-separated: on (OTLP export + /metrics) and/or off (neither)",
+        help="comma-separated runs: on (OTLP export + /metrics), off (neither), tracing, metrics",
     )
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")
@@ -318,12 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         sink = OtlpSink()
         results: dict[str, Any] = {}
         for mode in args.observability.split(","):
+            env = observability_env(mode, sink)
             pipeline = Pipeline(
-                settings,
-                args.worker_processes,
-                args.worker_threads,
-                logs / mode,
-                observability_env(mode, sink),
+                settings, args.worker_processes, args.worker_threads, logs / mode, env
             )
             runs: dict[str, Any] = {}
             try:
@@ -332,11 +414,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     raise SystemExit(f"warm-up events were not processed; see {logs}")
                 if "latency" in only:
                     runs["latency"] = [
-                        measure_rate(engine, float(rate), args.duration, args.producers)
+                        measure_rate(
+                            env, database_url, engine, float(rate), args.duration, args.producers
+                        )
                         for rate in args.rates.split(",")
                     ]
                 if "throughput" in only:
-                    runs["throughput"] = measure_throughput(engine, args.duration, args.producers)
+                    runs["throughput"] = measure_throughput(
+                        env, database_url, engine, args.duration, args.producers, pipeline
+                    )
             finally:
                 pipeline.stop()
             key, repeat = f"observability_{mode}", 2
@@ -355,7 +441,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             "setup": {
                 "relay": "1 process, --mode auto",
                 "workers": f"{args.worker_processes} processes x {args.worker_threads} threads",
-                "producers": f"{args.producers} threads, one event per transaction",
+                "producers": (
+                    f"{args.producers} threads in one spawned process, one event per "
+                    "transaction; with observability on they trace (create spans, OTLP export)"
+                ),
                 "worker_timeout_ms": settings.worker_timeout_ms,
             },
             "results": results,

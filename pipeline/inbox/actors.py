@@ -48,11 +48,11 @@ class ProcessEngine:
         if self._engine is None or self._pid != os.getpid():
             with self._lock:
                 if self._engine is None or self._pid != os.getpid():
+                    # No pre-ping (a round trip per message): a connection that died
+                    # with a Postgres restart fails its message, Dramatiq retries it, and
+                    # SQLAlchemy recycles every pooled connection made before the failure.
                     self._engine = make_engine(
-                        self.settings,
-                        pool_size=self.pool_size,
-                        max_overflow=self.pool_size,
-                        pool_pre_ping=True,
+                        self.settings, pool_size=self.pool_size, max_overflow=self.pool_size
                     )
                     self._pid = os.getpid()
         return self._engine

@@ -103,10 +103,16 @@ class InboxProcessor:
                 self._dead_letter_unreadable(envelope, f"invalid envelope: {exc}")
                 outcome.dead += 1
         if events:
-            # The connection must come from the session, so that the session owns (and
+            # The connection comes from the session, so that the session owns (and
             # commits) the one transaction shared by the inbox records and the handlers.
-            with Session(self.engine()) as session, session.begin():
-                self._handle_events(session, session.connection(), events, outcome)
+            with Session(self.engine()) as session:
+                session.begin()
+                try:
+                    self._handle_events(session, events, outcome)
+                    session.commit()
+                except BaseException:
+                    session.rollback()
+                    raise
         for resend in outcome.resends:
             self.resend(resend.envelopes, resend.delay)
         return outcome
@@ -114,22 +120,24 @@ class InboxProcessor:
     def _handle_events(
         self,
         session: Session,
-        connection: Connection,
         events: Sequence[tuple[dict[str, Any], ReceivedEvent]],
         outcome: Outcome,
     ) -> None:
         held: dict[str, Resend] = {}  # ordered keys waiting for an earlier event
+        # A message's only event needs no savepoint: its transaction is one (two round
+        # trips fewer per event on the common path of lightly loaded consumers).
+        alone = len(events) == 1
         for envelope, event in events:
             key = event.ordering_key if self.subscription.ordered else None
             if key is not None and key in held:
                 held[key].envelopes.append(envelope)
                 outcome.deferred += 1
                 continue
-            if key is not None and self._predecessor_unfinished(connection, event):
+            if key is not None and self._predecessor_unfinished(session.connection(), event):
                 held[key] = Resend([envelope], DEFER_DELAY)
                 outcome.deferred += 1
                 continue
-            retry = self._handle_one(session, connection, envelope, event, outcome)
+            retry = self._handle_one(session, envelope, event, outcome, alone)
             if retry is not None:
                 if key is not None:
                     held[key] = retry  # later events of the key travel with the retry
@@ -152,19 +160,21 @@ class InboxProcessor:
     def _handle_one(
         self,
         session: Session,
-        connection: Connection,
         envelope: dict[str, Any],
         event: ReceivedEvent,
         outcome: Outcome,
+        alone: bool,
     ) -> Resend | None:
+        """Claim and handle one event; rolled back alone (savepoint or its own transaction)."""
         consumer = self.subscription.consumer
-        savepoint = session.begin_nested()
-        session.connection()  # emits the SAVEPOINT now: the claim below must be inside it
+        # A savepoint that is not rolled back is never released: the message's COMMIT
+        # releases them all, a round trip fewer per event (the next one nests inside it).
+        savepoint = None if alone else session.begin_nested()
+        connection = session.connection()  # emits the SAVEPOINT now: the claim must be inside
         row = connection.exec_driver_sql(
             self.queries.text("inbox_claim"), self._key_params(event)
         ).first()
         if row is None:
-            savepoint.commit()
             outcome.duplicates += 1
             metrics.inbox_duplicates.labels(consumer, event.type).inc()
             with tracing.process_span(event, consumer, 0) as span:
@@ -182,12 +192,17 @@ class InboxProcessor:
                 self.definition.function(current, context)
                 session.flush()
             except (Exception, TimeLimitExceeded) as exc:
-                savepoint.rollback()
+                if savepoint is not None:
+                    savepoint.rollback()
+                else:  # the message's own transaction was the savepoint: start another
+                    session.rollback()
+                    session.begin()
                 metrics.handler_duration.labels(consumer, event.type).observe(
                     time.perf_counter() - started
                 )
-                return self._failed(connection, envelope, event, attempt, exc, outcome, span)
-            savepoint.commit()
+                return self._failed(
+                    session.connection(), envelope, event, attempt, exc, outcome, span
+                )
         metrics.handler_duration.labels(consumer, event.type).observe(time.perf_counter() - started)
         metrics.inbox_processed.labels(consumer, event.type).inc()
         metrics.observe_end_to_end(consumer, event)
