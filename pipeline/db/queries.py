@@ -44,13 +44,14 @@ class Queries:
             name: sql.SQL(body.replace("{schema}", "{schema_ident}")).format(schema_ident=quoted)
             for name, body in _raw_queries().items()
         }
+        self._text = {name: query.as_string() for name, query in self._rendered.items()}
 
     def __getitem__(self, name: str) -> sql.Composed:
         return self._rendered[name]
 
     def text(self, name: str) -> str:
         """The query as a string, for drivers reached through SQLAlchemy's ``exec_driver_sql``."""
-        return self._rendered[name].as_string()
+        return self._text[name]
 
 
 @lru_cache(maxsize=8)

@@ -196,6 +196,20 @@ FROM {schema}.inbox WHERE event_id = %(event_id)s ORDER BY consumer;
 SELECT id, stage, consumer, reason, error_class, created_at
 FROM {schema}.dead_letters WHERE event_id = %(event_id)s ORDER BY id;
 
+-- name: outbox_insert
+-- The producer's insert: any number of events in one statement, in array order (the order
+-- in which the sequence trigger takes their key locks). Payload and headers arrive as JSON
+-- text the producer already serialised and size-checked.
+INSERT INTO {schema}.outbox (id, aggregate_type, aggregate_id, ordering_key, event_type,
+                             event_version, payload, headers)
+SELECT id, aggregate_type, aggregate_id, ordering_key, event_type, event_version,
+       payload::jsonb, headers::jsonb
+FROM unnest(%(ids)s::uuid[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
+            %(ordering_keys)s::text[], %(event_types)s::text[], %(event_versions)s::int[],
+            %(payloads)s::text[], %(headers)s::text[])
+     AS e(id, aggregate_type, aggregate_id, ordering_key, event_type, event_version, payload,
+          headers);
+
 -- name: canary_insert
 -- The end-to-end canary: a heartbeat event through the whole path (unordered, tiny).
 INSERT INTO {schema}.outbox (id, event_type, payload, headers)
