@@ -376,9 +376,9 @@ def _exporter_names() -> list[str]:
 
 def _exporter(name: str) -> SpanExporter:
     if name == "otlp":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        from pipeline.observability.otlp import OTLPHttpSpanExporter
 
-        return OTLPSpanExporter()
+        return OTLPHttpSpanExporter()
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
     return ConsoleSpanExporter()
