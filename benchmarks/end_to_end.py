@@ -305,15 +305,29 @@ def cpu_by_component(
 
 
 def measure_rate(
-    env: dict[str, str], url: str, engine: Any, rate: float, duration: float, producers: int
+    env: dict[str, str],
+    url: str,
+    engine: Any,
+    rate: float,
+    duration: float,
+    producers: int,
+    pipeline: Pipeline,
 ) -> dict[str, Any]:
+    """Open loop at ``rate``; also CPU per event, which at a fixed rate does not feed back
+    into batch sizes as a closed loop does (so it compares observability modes best)."""
+    busy_before = machine_busy_seconds()
+    sample_before = pc._sample()
     started = time.time()
-    committed, _ = run_producers(env, url, "open", rate, duration, producers)
+    committed, producer_cpu = run_producers(env, url, "open", rate, duration, producers)
     last_commit = max(committed.values())
     done = wait_processed(engine, list(committed), timeout=60)
+    busy = machine_busy_seconds() - busy_before
+    split = cpu_by_component(sample_before, pc._sample(), pipeline, producer_cpu, len(done))
     latencies = [done[str(i)] - t for i, t in committed.items() if str(i) in done]
     lagging = [d - last_commit for d in done.values()]
     return {
+        "machine_cpu_ms_per_event": round(busy * 1000 / max(len(done), 1), 3),
+        "cpu_ms_per_event_by_component": split,
         "offered_events_per_s": rate,
         "achieved_commit_rate": round(len(committed) / (last_commit - started), 1),
         "events": len(committed),
@@ -415,7 +429,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if "latency" in only:
                     runs["latency"] = [
                         measure_rate(
-                            env, database_url, engine, float(rate), args.duration, args.producers
+                            env,
+                            database_url,
+                            engine,
+                            float(rate),
+                            args.duration,
+                            args.producers,
+                            pipeline,
                         )
                         for rate in args.rates.split(",")
                     ]

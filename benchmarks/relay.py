@@ -574,11 +574,13 @@ def cpu_report(
     return renamed
 
 
-def run_throughput(ctx: Context, events: int, events_batch1: int) -> dict[str, Any]:
+def run_throughput(
+    ctx: Context, events: int, events_batch1: int, batch_sizes: Sequence[int] = BATCH_SIZES
+) -> dict[str, Any]:
     """Drain a prefilled outbox at each batch size, with one and with two drainers."""
     produced_s = make_template(ctx, max(events, events_batch1))
     runs: list[dict[str, Any]] = []
-    for batch_size in BATCH_SIZES:
+    for batch_size in batch_sizes:
         count = events_batch1 if batch_size == 1 else events
         for parallel in (1, 2):
             ctx.reset()
@@ -1415,6 +1417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--database-url", default=os.environ.get("PIPELINE_DATABASE_URL"))
     parser.add_argument("--redis-url", default=os.environ.get("PIPELINE_REDIS_URL"))
     parser.add_argument("--events", type=int, default=50_000, help="throughput, batch >= 100")
+    parser.add_argument(
+        "--batch-sizes", default=",".join(map(str, BATCH_SIZES)), help="throughput batch sizes"
+    )
     parser.add_argument("--events-batch1", type=int, default=1_000, help="throughput, batch 1")
     parser.add_argument("--latency-events", type=int, default=300)
     parser.add_argument("--idle-events", type=int, default=8, help="polling_idle case")
@@ -1517,7 +1522,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "complete": False,
         }
         runners: dict[str, Callable[[], dict[str, Any]]] = {
-            "throughput": lambda: run_throughput(ctx, args.events, args.events_batch1),
+            "throughput": lambda: run_throughput(
+                ctx,
+                args.events,
+                args.events_batch1,
+                [int(size) for size in args.batch_sizes.split(",")],
+            ),
             "wakeup_latency": lambda: run_wakeup_latency(
                 ctx, args.latency_events, args.idle_events, rates, args.sustained_duration
             ),
