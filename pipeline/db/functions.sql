@@ -47,6 +47,86 @@ BEGIN
 END
 $$;
 
+-- Claim due events in sequence order. Within an ordering key, seq order is commit order
+-- (the outbox_sequence trigger numbers a key's events under a transaction lock), so a key
+-- is claimed as a run with no unsent event before it or between its parts. Expired leases
+-- are reclaimed (their publisher died). Claims are serialised per schema by an advisory
+-- lock (they take milliseconds), so that a claim never runs on a snapshot older than
+-- another publisher's committed claim of the same key: in a function, the UPDATE below
+-- takes its snapshot after the lock, and the whole claim is one statement for the caller.
+-- enable_seqscan is off inside, as for sequence_ordered_event: PL/pgSQL caches the plan,
+-- and one made while the outbox looked empty would scan the whole table on every claim.
+CREATE OR REPLACE FUNCTION claim_outbox(
+    p_schema_name text, p_scan_limit integer, p_max_run integer, p_batch_size integer,
+    p_token bigint, p_owner text, p_lease_seconds double precision
+)
+RETURNS TABLE (
+    id uuid, seq bigint, aggregate_type text, aggregate_id text, ordering_key text,
+    event_type text, event_version integer, payload text, headers text, attempts integer,
+    created_at timestamptz
+)
+LANGUAGE plpgsql
+SET search_path FROM CURRENT
+SET enable_seqscan = off
+AS $$
+#variable_conflict use_column
+BEGIN
+    PERFORM pg_advisory_xact_lock(hashtext('pipeline.claim.' || p_schema_name));
+    RETURN QUERY
+    WITH scanned AS (
+        SELECT o.id, o.ordering_key, o.seq, o.status, o.lease_token
+        FROM outbox o
+        WHERE o.status IN ('pending', 'publishing')
+          AND ((o.status = 'pending' AND o.next_attempt_at <= statement_timestamp())
+               OR (o.status = 'publishing' AND o.lease_expires_at < statement_timestamp()))
+        ORDER BY o.seq
+        LIMIT p_scan_limit
+    ), placed AS (
+        SELECT s.*,
+               lag(s.seq) OVER w AS prev_seq,
+               row_number() OVER w AS run_position
+        FROM scanned s
+        WINDOW w AS (PARTITION BY s.ordering_key ORDER BY s.seq)
+    ), checked AS (
+        SELECT p.*,
+               p.ordering_key IS NULL OR NOT EXISTS (
+                   SELECT 1 FROM outbox b
+                   WHERE b.ordering_key = p.ordering_key
+                     AND b.status IN ('pending', 'publishing')
+                     AND b.seq < p.seq
+                     AND (p.prev_seq IS NULL OR b.seq > p.prev_seq)
+               ) AS gap_free
+        FROM placed p
+    ), runs AS (
+        SELECT c.*,
+               bool_and(c.gap_free) OVER (PARTITION BY c.ordering_key ORDER BY c.seq) AS run_ok
+        FROM checked c
+    ), chosen AS (
+        SELECT r.id FROM runs r
+        WHERE (r.ordering_key IS NULL OR (r.run_ok AND r.run_position <= p_max_run))
+        ORDER BY r.seq
+        LIMIT p_batch_size
+    )
+    UPDATE outbox o
+    SET status = 'publishing',
+        attempts = o.attempts + 1,
+        lease_token = p_token,
+        lease_owner = p_owner,
+        lease_expires_at = clock_timestamp() + make_interval(secs => p_lease_seconds)
+    -- The ids as an array: primary-key lookups whatever the planner thinks of the CTE's size
+    -- (a hash join over the whole outbox cost more than the rest of the claim).
+    WHERE o.id = ANY (ARRAY(SELECT id FROM chosen))
+    -- Still claimable: a stale publisher may have marked an expired lease sent (or dead) since
+    -- the snapshot, and that outcome stands. One it gave back (released, or rescheduled for a
+    -- retry) is pending again and is taken now, so a key's run is claimed whole.
+      AND ((o.status = 'pending' AND o.lease_token IS NULL)
+           OR (o.status = 'publishing' AND o.lease_expires_at < statement_timestamp()))
+    RETURNING o.id, o.seq, o.aggregate_type, o.aggregate_id, o.ordering_key,
+              o.event_type, o.event_version, o.payload::text, o.headers::text, o.attempts,
+              o.created_at;
+END
+$$;
+
 DROP TRIGGER IF EXISTS outbox_sequence ON outbox;
 CREATE TRIGGER outbox_sequence BEFORE INSERT ON outbox
     FOR EACH ROW WHEN (NEW.ordering_key IS NOT NULL) EXECUTE FUNCTION sequence_ordered_event();

@@ -1,68 +1,13 @@
 -- Named queries of the relay and the admin tools, loaded once by pipeline/db/queries.py.
 -- {schema} is replaced by the quoted schema identifier; values are %(name)s parameters.
 
--- name: claim_lock
--- Claims are serialised per schema (they take milliseconds), so that a claim never runs
--- on a snapshot older than another publisher's committed claim of the same ordering key.
--- The lock is taken in its own statement: the claim's snapshot is then taken after it.
-SELECT pg_advisory_xact_lock(hashtext('pipeline.claim.' || %(schema_name)s));
-
 -- name: claim
--- Claim due events in sequence order. Within an ordering key, seq order is commit order
--- (the outbox_sequence trigger numbers a key's events under a transaction lock), so a key
--- is claimed as a run with no unsent event before it or between its parts. Expired leases
--- are reclaimed (their publisher died).
-WITH scanned AS (
-    SELECT o.id, o.ordering_key, o.seq, o.status, o.lease_token
-    FROM {schema}.outbox o
-    WHERE o.status IN ('pending', 'publishing')
-      AND ((o.status = 'pending' AND o.next_attempt_at <= statement_timestamp())
-           OR (o.status = 'publishing' AND o.lease_expires_at < statement_timestamp()))
-    ORDER BY o.seq
-    LIMIT %(scan_limit)s
-), placed AS (
-    SELECT s.*,
-           lag(s.seq) OVER w AS prev_seq,
-           row_number() OVER w AS run_position
-    FROM scanned s
-    WINDOW w AS (PARTITION BY s.ordering_key ORDER BY s.seq)
-), checked AS (
-    SELECT p.*,
-           p.ordering_key IS NULL OR NOT EXISTS (
-               SELECT 1 FROM {schema}.outbox b
-               WHERE b.ordering_key = p.ordering_key
-                 AND b.status IN ('pending', 'publishing')
-                 AND b.seq < p.seq
-                 AND (p.prev_seq IS NULL OR b.seq > p.prev_seq)
-           ) AS gap_free
-    FROM placed p
-), runs AS (
-    SELECT c.*,
-           bool_and(c.gap_free) OVER (PARTITION BY c.ordering_key ORDER BY c.seq) AS run_ok
-    FROM checked c
-), chosen AS (
-    SELECT r.id FROM runs r
-    WHERE (r.ordering_key IS NULL OR (r.run_ok AND r.run_position <= %(max_run)s))
-    ORDER BY r.seq
-    LIMIT %(batch_size)s
-)
-UPDATE {schema}.outbox o
-SET status = 'publishing',
-    attempts = o.attempts + 1,
-    lease_token = %(token)s,
-    lease_owner = %(owner)s,
-    lease_expires_at = clock_timestamp() + make_interval(secs => %(lease_seconds)s)
--- The ids as an array: primary-key lookups whatever the planner thinks of the CTE's size
--- (a hash join over the whole outbox cost more than the rest of the claim).
-WHERE o.id = ANY (ARRAY(SELECT id FROM chosen))
--- Still claimable: a stale publisher may have marked an expired lease sent (or dead) since
--- the snapshot, and that outcome stands. One it gave back (released, or rescheduled for a
--- retry) is pending again and is taken now, so a key's run is claimed whole.
-  AND ((o.status = 'pending' AND o.lease_token IS NULL)
-       OR (o.status = 'publishing' AND o.lease_expires_at < statement_timestamp()))
-RETURNING o.id, o.seq, o.aggregate_type, o.aggregate_id, o.ordering_key,
-          o.event_type, o.event_version, o.payload::text, o.headers::text, o.attempts,
-          o.created_at;
+-- Claim due events in sequence order (functions.sql, claim_outbox): one statement, so an
+-- idle relay's claim is one round trip and one (asynchronous) commit.
+SELECT id, seq, aggregate_type, aggregate_id, ordering_key, event_type, event_version,
+       payload, headers, attempts, created_at
+FROM {schema}.claim_outbox(%(schema_name)s, %(scan_limit)s, %(max_run)s, %(batch_size)s,
+                           %(token)s, %(owner)s, %(lease_seconds)s);
 
 -- name: mark_sent
 UPDATE {schema}.outbox

@@ -119,11 +119,9 @@ class Drainer:
             "owner": self.owner,
             "lease_seconds": self.settings.lease_seconds,
         }
-        # Pipeline mode: BEGIN, lock, claim and COMMIT reach the server in one round trip.
-        with self.conn.pipeline(), self.conn.transaction():
-            self.conn.execute(self.queries["claim_lock"], params)
-            cursor = self.conn.execute(self.queries["claim"], params, binary=True)
-        rows = cursor.fetchall()
+        # One statement on the autocommit connection: lock, claim and commit in one round
+        # trip (the function takes the claim lock before its snapshot; functions.sql).
+        rows = self.conn.execute(self.queries["claim"], params, binary=True).fetchall()
         events = [
             OutboxEvent(
                 id=row[0],
@@ -215,21 +213,20 @@ class Drainer:
                 dead.append((event, error, f"gave up after {event.attempts} attempts"))
             else:
                 retry.append((event, error))
-        # One round trip (pipeline mode) for the whole outcome, in one transaction.
-        marked = None
-        with self.conn.pipeline(), self.conn.transaction():
-            if sent:
-                marked = self.conn.execute(
-                    self.queries["mark_sent"], {"ids": sent, "token": token}, binary=True
-                )
-                self._expect_ordered_deliveries(events, set(sent))
-            if released:
-                self.conn.execute(self.queries["release"], {"ids": released, "token": token})
-            if retry:
-                self.conn.execute(self.queries["schedule_retry"], self._retry_params(token, retry))
-            if dead:
-                self.conn.execute(
-                    self.queries["dead_letter"],
+        statements: list[tuple[str, dict[str, Any]]] = []
+        if sent:
+            statements.append(("mark_sent", {"ids": sent, "token": token}))
+            expected = self._expected_deliveries(events, set(sent))
+            if expected is not None:
+                statements.append(("inbox_expect", expected))
+        if released:
+            statements.append(("release", {"ids": released, "token": token}))
+        if retry:
+            statements.append(("schedule_retry", self._retry_params(token, retry)))
+        if dead:
+            statements.append(
+                (
+                    "dead_letter",
                     {
                         "token": token,
                         "ids": [e.id for e, _, _ in dead],
@@ -238,6 +235,8 @@ class Drainer:
                         "errors": [error_text(x) for _, x, _ in dead],
                     },
                 )
+            )
+        marked = self._record_outcome(statements) if statements else None
         if marked is not None:
             self._count_sent(marked.fetchall(), result)
         for event, error, reason in dead:
@@ -253,8 +252,26 @@ class Drainer:
             )
         result.released, result.retried, result.dead = len(released), len(retry), len(dead)
 
-    def _expect_ordered_deliveries(self, events: list[OutboxEvent], sent: set[uuid.UUID]) -> None:
-        """Tell ordered consumers which events of a key are on their way (inbox 'pending').
+    def _record_outcome(self, statements: list[tuple[str, dict[str, Any]]]) -> Any:
+        """Run the outcome in one round trip; returns mark_sent's cursor, if it ran.
+
+        The common outcome, every event sent to unordered consumers, is one statement on
+        the autocommit connection; anything more is one transaction sent as a pipeline.
+        """
+        cursors: dict[str, Any] = {}
+        if len(statements) == 1:
+            name, params = statements[0]
+            cursors[name] = self.conn.execute(self.queries[name], params, binary=True)
+        else:
+            with self.conn.pipeline(), self.conn.transaction():
+                for name, params in statements:
+                    cursors[name] = self.conn.execute(self.queries[name], params, binary=True)
+        return cursors.get("mark_sent")
+
+    def _expected_deliveries(
+        self, events: list[OutboxEvent], sent: set[uuid.UUID]
+    ) -> dict[str, Any] | None:
+        """Ordered consumers' inbox 'pending' rows for the events of a key on their way.
 
         Recorded for every event the broker accepted, in the transaction that marks them
         sent: no later event of the key can be claimed before that commits.
@@ -266,19 +283,17 @@ class Drainer:
             for subscription in self.registry.routes_for(event.event_type)
             if subscription.ordered
         ]
-        if rows:
-            consumers, ids, types, keys, seqs = (list(column) for column in zip(*rows, strict=True))
-            self.conn.execute(
-                self.queries["inbox_expect"],
-                {
-                    "consumers": consumers,
-                    "event_ids": ids,
-                    "event_types": types,
-                    "ordering_keys": keys,
-                    "seqs": seqs,
-                    "statuses": ["pending"] * len(rows),
-                },
-            )
+        if not rows:
+            return None
+        consumers, ids, types, keys, seqs = (list(column) for column in zip(*rows, strict=True))
+        return {
+            "consumers": consumers,
+            "event_ids": ids,
+            "event_types": types,
+            "ordering_keys": keys,
+            "seqs": seqs,
+            "statuses": ["pending"] * len(rows),
+        }
 
     def _retry_params(
         self, token: int, retry: list[tuple[OutboxEvent, BaseException]]

@@ -188,3 +188,23 @@ async def test_async_session_commit_and_rollback(settings, listener):
         assert total == 1001
     finally:
         await engine.dispose()
+
+
+def test_ordered_inserts_find_their_key_by_index_even_after_an_empty_table_was_planned(
+    engine, database_url
+):
+    """The sequence trigger's lookup must not cache a sequential-scan plan (it made every
+    insert scan all unsent rows on connections that first saw an empty, vacuumed outbox)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("VACUUM pipeline.outbox")  # reltuples = 0: the planner trusts "empty"
+    with Session(engine) as session, session.begin():
+        for n in range(30):
+            add_event(session, "order.placed", {"n": n}, aggregate_id=str(n % 3))
+        seq_scans, index_scans = session.execute(
+            text(
+                "SELECT seq_scan, idx_scan FROM pg_stat_xact_user_tables "
+                "WHERE schemaname = 'pipeline' AND relname = 'outbox'"
+            )
+        ).one()
+    assert seq_scans == 0
+    assert index_scans >= 29

@@ -356,3 +356,19 @@ def test_a_blocked_key_does_not_crowd_other_keys_out_of_the_claim(engine, runtim
             {"key": ":stuck"},
         ).scalar()
     assert waiting == 101  # the whole key waits with its head
+
+
+def test_publisher_reloads_its_script_after_redis_forgets_it(engine, runtime):
+    """EVALSHA skips redis-py's SCRIPT EXISTS round trip, so NOSCRIPT must be handled."""
+    produce(engine, [NewEvent("order.placed", {"n": 1}, aggregate_id="a")])
+    runtime.broker.client.script_flush()
+    result = drainer_for(runtime).run_batch()
+    assert (result.claimed, result.sent, result.retried) == (1, 1, 0)
+    assert len(queue_envelopes(runtime.settings, "pipeline.billing")) == 1
+    assert statuses(engine) == {"sent": 1}
+
+
+def test_relay_connections_commit_asynchronously(runtime):
+    """A lost claim or outcome only re-publishes (docs/architecture.md): no WAL flush wait."""
+    drainer = drainer_for(runtime)
+    assert drainer.conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
