@@ -71,6 +71,11 @@ SET enable_seqscan = off
 AS $$
 #variable_conflict use_column
 BEGIN
+    -- A claim needs no WAL flush before the relay goes on: one lost in a server crash
+    -- leaves its events claimable, they are published again and the inbox absorbs the copy.
+    -- Local to this transaction: a session-level SET would leak to other clients through a
+    -- transaction-pooling PgBouncer.
+    PERFORM set_config('synchronous_commit', 'off', true);
     PERFORM pg_advisory_xact_lock(hashtext('pipeline.claim.' || p_schema_name));
     RETURN QUERY
     WITH scanned AS (

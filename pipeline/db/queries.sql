@@ -10,11 +10,14 @@ FROM {schema}.claim_outbox(%(schema_name)s, %(scan_limit)s, %(max_run)s, %(batch
                            %(token)s, %(owner)s, %(lease_seconds)s);
 
 -- name: mark_sent
-UPDATE {schema}.outbox
+-- Commits asynchronously (set_config local to this transaction, as in claim_outbox): a lost
+-- outcome only re-publishes, which the inbox absorbs.
+UPDATE {schema}.outbox o
 SET status = 'sent', published_at = clock_timestamp(),
     lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL
-WHERE id = ANY(%(ids)s) AND lease_token = %(token)s AND status = 'publishing'
-RETURNING id, event_type, extract(epoch FROM published_at - created_at)::float8;
+FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit
+WHERE o.id = ANY(%(ids)s) AND o.lease_token = %(token)s AND o.status = 'publishing'
+RETURNING o.id, o.event_type, extract(epoch FROM o.published_at - o.created_at)::float8;
 
 -- name: release
 -- Give back claimed events that were not attempted (an earlier event of their key failed).

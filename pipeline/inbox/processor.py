@@ -28,6 +28,7 @@ from typing import Any
 
 from dramatiq.middleware import TimeLimitExceeded
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from pipeline.config import Settings
@@ -195,6 +196,8 @@ class InboxProcessor:
                 if savepoint is not None:
                     savepoint.rollback()
                 else:  # the message's own transaction was the savepoint: start another
+                    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+                        raise  # the database went away, not the handler: Dramatiq redelivers
                     session.rollback()
                     session.begin()
                 metrics.handler_duration.labels(consumer, event.type).observe(

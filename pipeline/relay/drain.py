@@ -101,10 +101,6 @@ class Drainer:
         self.conn = connection
         self.queries = queries_for(settings.schema_name)
         self.rng = rng or random.Random()
-        # Claims and outcomes need no flush to disk before the next step: one lost in a
-        # server crash leaves its events claimable again, so they are published again and
-        # the inbox absorbs the copy. Saves a WAL flush wait per claim and per settle.
-        connection.execute("SET synchronous_commit = off")
 
     def claim(self, limit: int | None = None) -> tuple[int, list[OutboxEvent]]:
         """Lease up to ``limit`` due events; returns the fencing token and the events in order."""

@@ -388,3 +388,38 @@ def test_a_dead_lettered_envelope_does_not_block_its_key_for_an_ordered_consumer
         reason = conn.execute(text("SELECT reason FROM pipeline.dead_letters")).scalar()
     assert statuses == {first: "dead", second: "processed"}
     assert reason == "invalid envelope: envelope has no data"
+
+
+def test_a_lost_database_connection_is_redelivered_not_counted_as_a_handler_failure(
+    engine, inbox_settings
+):
+    """A one-event message has no savepoint; if its connection dies, the message must go
+    back to Dramatiq (infrastructure retry), not spend one of the handler's attempts."""
+    from sqlalchemy.exc import DBAPIError
+
+    from pipeline.inbox.consumer import consumer, definitions
+    from pipeline.inbox.processor import InboxProcessor
+
+    routes = Registry()
+    calls: list[int] = []
+
+    def handler(event, ctx):
+        calls.append(1)
+        if len(calls) == 1:
+            ctx.session.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
+
+    consumer("fragile", ["step"], max_retries=0, registry=routes)(handler)
+    subscription, definition = definitions(routes)[0]
+    processor = InboxProcessor(
+        inbox_settings, subscription, definition, lambda: engine, lambda *_: None
+    )
+    envelope = {"specversion": "1.0", "id": str(uuid.uuid4()), "type": "step", "source": "/t"}
+    envelope["data"] = {}
+    with pytest.raises(DBAPIError):
+        processor.handle([envelope])
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT count(*) FROM pipeline.inbox")).scalar()
+        dead = conn.execute(text("SELECT count(*) FROM pipeline.dead_letters")).scalar()
+    assert (rows, dead) == (0, 0)
+    assert processor.handle([envelope]).processed == 1  # the redelivery runs normally
+    assert len(calls) == 2

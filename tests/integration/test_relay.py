@@ -368,7 +368,21 @@ def test_publisher_reloads_its_script_after_redis_forgets_it(engine, runtime):
     assert statuses(engine) == {"sent": 1}
 
 
-def test_relay_connections_commit_asynchronously(runtime):
-    """A lost claim or outcome only re-publishes (docs/architecture.md): no WAL flush wait."""
+def test_relay_transactions_commit_asynchronously_without_touching_the_session(engine, runtime):
+    """A lost claim or outcome only re-publishes (docs/architecture.md), so they skip the WAL
+    flush wait; the setting stays inside their transactions, never leaking to a pooled
+    session another client could get through a transaction-pooling PgBouncer."""
+    produce(engine, [NewEvent("order.placed", {"n": 1}, aggregate_id="a")])
     drainer = drainer_for(runtime)
-    assert drainer.conn.execute("SHOW synchronous_commit").fetchone() == ("off",)
+    drainer.conn.execute("SET synchronous_commit = on")  # the test server runs without it
+    show = "SHOW synchronous_commit"
+    with drainer.conn.transaction():
+        token, events = drainer.claim()
+        assert drainer.conn.execute(show).fetchone() == ("off",)
+    assert len(events) == 1
+    with drainer.conn.transaction():
+        drainer.conn.execute(drainer.queries["mark_sent"], {"ids": [events[0].id], "token": token})
+        assert drainer.conn.execute(show).fetchone() == ("off",)
+    assert drainer.conn.execute(show).fetchone() == ("on",)
+    assert drainer.run_batch().claimed == 0
+    assert statuses(engine) == {"sent": 1}
