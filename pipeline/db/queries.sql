@@ -154,9 +154,10 @@ SELECT id, aggregate_type, aggregate_id, ordering_key, event_type, event_version
        payload::jsonb, headers::jsonb
 FROM unnest(%(ids)s::uuid[], %(aggregate_types)s::text[], %(aggregate_ids)s::text[],
             %(ordering_keys)s::text[], %(event_types)s::text[], %(event_versions)s::int[],
-            %(payloads)s::text[], %(headers)s::text[])
+            %(payloads)s::text[], %(headers)s::text[]) WITH ORDINALITY
      AS e(id, aggregate_type, aggregate_id, ordering_key, event_type, event_version, payload,
-          headers);
+          headers, position)
+ORDER BY position;
 
 -- name: canary_insert
 -- The end-to-end canary: a heartbeat event through the whole path (unordered, tiny).
