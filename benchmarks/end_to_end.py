@@ -315,19 +315,16 @@ def measure_rate(
 ) -> dict[str, Any]:
     """Open loop at ``rate``; also CPU per event, which at a fixed rate does not feed back
     into batch sizes as a closed loop does (so it compares observability modes best)."""
-    busy_before = machine_busy_seconds()
-    sample_before = pc._sample()
+    cpu = CpuWindow()
     started = time.time()
     committed, producer_cpu = run_producers(env, url, "open", rate, duration, producers)
     last_commit = max(committed.values())
     done = wait_processed(engine, list(committed), timeout=60)
-    busy = machine_busy_seconds() - busy_before
-    split = cpu_by_component(sample_before, pc._sample(), pipeline, producer_cpu, len(done))
+    cpu_per_event = cpu.per_event(pipeline, producer_cpu, len(done))
     latencies = [done[str(i)] - t for i, t in committed.items() if str(i) in done]
     lagging = [d - last_commit for d in done.values()]
     return {
-        "machine_cpu_ms_per_event": round(busy * 1000 / max(len(done), 1), 3),
-        "cpu_ms_per_event_by_component": split,
+        **cpu_per_event,
         "offered_events_per_s": rate,
         "achieved_commit_rate": round(len(committed) / (last_commit - started), 1),
         "events": len(committed),
@@ -350,6 +347,23 @@ def machine_busy_seconds() -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+class CpuWindow:
+    """The machine's CPU from creation to :meth:`per_event`, per processed event."""
+
+    def __init__(self) -> None:
+        self.busy = machine_busy_seconds()
+        self.sample = pc._sample()
+
+    def per_event(self, pipeline: Pipeline, producer_cpu: float, events: int) -> dict[str, Any]:
+        busy = machine_busy_seconds() - self.busy
+        return {
+            "machine_cpu_ms_per_event": round(busy * 1000 / max(events, 1), 3),
+            "cpu_ms_per_event_by_component": cpu_by_component(
+                self.sample, pc._sample(), pipeline, producer_cpu, events
+            ),
+        }
+
+
 def measure_throughput(
     env: dict[str, str],
     url: str,
@@ -359,14 +373,12 @@ def measure_throughput(
     pipeline: Pipeline,
 ) -> dict[str, Any]:
     """Closed loop; also the machine's CPU per event (stabler than rates on 2 busy cores)."""
-    busy_before = machine_busy_seconds()
-    sample_before = pc._sample()
+    cpu = CpuWindow()
     started = time.time()
     committed, producer_cpu = run_producers(env, url, "closed", duration, producers)
     ended = time.time()
     done = wait_processed(engine, list(committed), timeout=120)
-    busy = machine_busy_seconds() - busy_before
-    split = cpu_by_component(sample_before, pc._sample(), pipeline, producer_cpu, len(done))
+    cpu_per_event = cpu.per_event(pipeline, producer_cpu, len(done))
     window_start, window_end = started + 2, ended  # skip the ramp-up
     in_window = sum(1 for d in done.values() if window_start <= d <= window_end)
     finished = max(done.values(), default=ended)
@@ -378,8 +390,7 @@ def measure_throughput(
         "processed_per_s_in_window": round(in_window / (window_end - window_start), 1),
         "drain_seconds_after_last_commit": round(finished - ended, 2),
         "end_to_end_per_s": round(len(done) / (finished - started), 1),
-        "machine_cpu_ms_per_event": round(busy * 1000 / max(len(done), 1), 3),
-        "cpu_ms_per_event_by_component": split,
+        **cpu_per_event,
     }
 
 

@@ -73,7 +73,7 @@ from pipeline.db.migrate import notify_channel
 from pipeline.db.queries import queries_for
 from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis
 from pipeline.observability import metrics
-from pipeline.outbox import NewEvent, add_event, add_events
+from pipeline.outbox import NewEvent, add_events
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.relay.publisher import Delivery, DramatiqRedisPublisher
@@ -189,10 +189,9 @@ class Phases:
         s = self.seconds
         claim_sql = s["sql:claim"]
         settle_sql = s["sql:mark_sent"]
-        parts = {
+        parts = {  # the claim is one autocommit statement: no transaction of its own
             "claim_sql": claim_sql,
-            "claim_begin_commit": s["tx:claim"],
-            "claim_python": s["claim"] - claim_sql - s["tx:claim"],
+            "claim_python": s["claim"] - claim_sql,
             "encode_json": s["encode"],
             "redis_pipeline": s["deliver"] - s["encode"],
             "mark_sent_sql": settle_sql,
@@ -338,21 +337,23 @@ TEMPLATE = sql.Identifier("public", "bench_relay_template")
 FRESH_COLUMNS = ("seq", "txid", "created_at", "next_attempt_at")  # left to their defaults
 
 
+def order_event(n: int) -> NewEvent:
+    """The benchmark's event number ``n``: an order on one of KEYS ordering keys."""
+    return NewEvent(
+        EVENT_TYPE,
+        {"order_id": n, "total": n % 10_000},
+        aggregate_type="order",
+        aggregate_id=str(n % KEYS),
+    )
+
+
 def produce_events(ctx: Context, count: int, per_transaction: int = 1000) -> float:
     """Commit ``count`` events through ``add_events`` over KEYS ordering keys; returns seconds."""
     engine = ctx.engine()
     started = time.perf_counter()
     try:
         for first in range(0, count, per_transaction):
-            events = [
-                NewEvent(
-                    EVENT_TYPE,
-                    {"order_id": n, "total": n % 10_000},
-                    aggregate_type="order",
-                    aggregate_id=str(n % KEYS),
-                )
-                for n in range(first, min(count, first + per_transaction))
-            ]
+            events = [order_event(n) for n in range(first, min(count, first + per_transaction))]
             with Session(engine) as session, session.begin():
                 add_events(session, events)
     finally:
@@ -791,13 +792,7 @@ def produce_paced(
             pause = due - time.perf_counter()
             if pause > 0:
                 time.sleep(pause)
-            event_id = add_event(
-                session,
-                EVENT_TYPE,
-                {"order_id": n, "total": n % 10_000},
-                aggregate_type="order",
-                aggregate_id=str(n % KEYS),
-            )
+            (event_id,) = add_events(session, [order_event(n)])
             session.commit()
             commits[str(event_id)] = time.perf_counter()
     return commits
@@ -838,13 +833,7 @@ def producer_main(spec: ProducerSpec, go: Any, finish: Any, ready: Any, results:
                 if pause > 0:
                     time.sleep(pause)
                 n += 1
-                event_id = add_event(
-                    session,
-                    EVENT_TYPE,
-                    {"order_id": n, "total": n % 10_000},
-                    aggregate_type="order",
-                    aggregate_id=str(n % KEYS),
-                )
+                (event_id,) = add_events(session, [order_event(n)])
                 session.commit()
                 outs[thread].append((str(event_id), time.perf_counter(), due))
                 due += interval

@@ -10,7 +10,6 @@ whole process group after a grace period) instead of leaving them half-stopped.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -24,10 +23,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
+from pipeline.childprocess import die_with_parent
 from pipeline.errors import PipelineError
 
 STOP_GRACE_SECONDS = 15.0
-_PR_SET_PDEATHSIG = 1
 
 
 class DemoError(PipelineError):
@@ -89,14 +88,6 @@ def choose_port(host: str, preferred: int) -> int:
         return port
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the child may outlive a killed demo
-        pass
-
-
 @dataclass
 class ChildProcess:
     """A ``pipeline relay`` / ``pipeline worker`` child, its log, and how to stop it."""
@@ -119,7 +110,7 @@ class ChildProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_die_with_parent if single else None,  # noqa: PLW1509 - see above
+                preexec_fn=die_with_parent if single else None,  # noqa: PLW1509 - see above
             )
         except OSError as exc:
             log.close()

@@ -17,7 +17,6 @@ unobserved.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import signal
 import subprocess
@@ -27,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from pipeline.childprocess import die_with_parent
 from pipeline.config import Settings
 from pipeline.observability.metrics import (
     MULTIPROC_ENV,
@@ -37,15 +37,6 @@ from pipeline.observability.metrics import (
 
 log = logging.getLogger("pipeline.worker")
 FORWARDED = (signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the child just outlives a killed parent
-        pass
 
 
 def run_dramatiq_with_metrics(
@@ -56,7 +47,7 @@ def run_dramatiq_with_metrics(
     env = {**env, MULTIPROC_ENV: str(path)}
     preexec: Callable[[], None] | None = None
     if sys.platform.startswith("linux") and threading.active_count() == 1:
-        preexec = _die_with_parent  # only safe while this process has a single thread
+        preexec = die_with_parent  # only safe while this process has a single thread
     child = subprocess.Popen(argv, env=env, preexec_fn=preexec)  # noqa: PLW1509
     previous = {sig: signal.signal(sig, _forward(child)) for sig in FORWARDED}
     previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
