@@ -13,6 +13,22 @@ SET status = 'processed', attempts = i.attempts + 1, processed_at = clock_timest
 WHERE i.status IN ('pending', 'failed')
 RETURNING attempts;
 
+-- name: inbox_claim_many
+-- inbox_claim for all the events of a message at once (unordered consumers): one row per
+-- claimed event with its attempt number; events already processed or dead-lettered return
+-- nothing. Keys are locked in event-id order, so two copies of a message cannot deadlock.
+INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq, status,
+                                 attempts, processed_at)
+SELECT %(consumer)s, e.event_id, e.event_type, e.ordering_key, e.seq, 'processed', 1,
+       clock_timestamp()
+FROM unnest(%(event_ids)s::uuid[], %(event_types)s::text[], %(ordering_keys)s::text[],
+            %(seqs)s::bigint[]) AS e (event_id, event_type, ordering_key, seq)
+ORDER BY e.event_id
+ON CONFLICT (consumer, event_id) DO UPDATE
+SET status = 'processed', attempts = i.attempts + 1, processed_at = clock_timestamp()
+WHERE i.status IN ('pending', 'failed')
+RETURNING event_id, attempts;
+
 -- name: inbox_fail
 -- Record a failed attempt (after rolling back the handler's savepoint); returns the attempt.
 WITH upserted AS (

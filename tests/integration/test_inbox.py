@@ -423,3 +423,109 @@ def test_a_lost_database_connection_is_redelivered_not_counted_as_a_handler_fail
     assert (rows, dead) == (0, 0)
     assert processor.handle([envelope]).processed == 1  # the redelivery runs normally
     assert len(calls) == 2
+
+
+def direct_processor(engine, settings: Settings, routes: Registry, resent: list | None = None):
+    """An InboxProcessor for the registry's only consumer, outside any worker."""
+    from pipeline.inbox.consumer import definitions
+    from pipeline.inbox.processor import InboxProcessor
+
+    subscription, definition = definitions(routes)[0]
+    sink = resent if resent is not None else []
+    return InboxProcessor(
+        settings,
+        subscription,
+        definition,
+        lambda: engine,
+        lambda envelopes, delay: sink.append([e["id"] for e in envelopes]),
+    )
+
+
+def step_envelope(number: int) -> dict:
+    return {
+        "specversion": "1.0",
+        "id": str(uuid.UUID(int=number)),
+        "type": "step",
+        "source": "/t",
+        "data": {"n": number},
+    }
+
+
+def test_a_batch_without_failures_claims_once_and_uses_no_savepoint(engine, inbox_settings):
+    from sqlalchemy import event as sa_event
+
+    from pipeline.inbox.consumer import consumer
+    from pipeline.observability import metrics
+
+    routes = Registry()
+    consumer("batcher", ["step"], registry=routes)(
+        lambda event, ctx: ctx.session.execute(
+            text("INSERT INTO effects (stage, order_id, event_id) VALUES ('b', :n, :id)"),
+            {"n": str(event.data["n"]), "id": event.id},
+        )
+    )
+    processor = direct_processor(engine, inbox_settings, routes)
+    processor.handle([step_envelope(1)])  # already processed: a duplicate in the batch
+    before = metrics.inbox_duplicates.labels("batcher", "step")._value.get()
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, *args) -> None:
+        code = [line for line in statement.splitlines() if not line.startswith("--")]
+        statements.append(" ".join(code).split()[0].upper())
+
+    sa_event.listen(engine, "before_cursor_execute", record)
+    try:
+        batch = [step_envelope(n) for n in (1, 2, 3, 4, 2)]  # 2 twice in one message
+        outcome = processor.handle(batch)
+    finally:
+        sa_event.remove(engine, "before_cursor_execute", record)
+    assert (outcome.processed, outcome.duplicates, outcome.retried) == (3, 2, 0)
+    assert metrics.inbox_duplicates.labels("batcher", "step")._value.get() == before + 2
+    assert stage_counts(engine, "b") == Counter({"1": 1, "2": 1, "3": 1, "4": 1})
+    # one claim for the message, one INSERT per handler, and no SAVEPOINT / RELEASE
+    assert Counter(statements) == Counter({"INSERT": 4})
+
+
+def test_a_failing_handler_in_a_batch_keeps_its_neighbours_and_runs_once(engine, inbox_settings):
+    from pipeline.inbox.consumer import consumer
+    from pipeline.observability import metrics
+
+    routes = Registry()
+    calls: Counter = Counter()
+
+    def handler(event, ctx) -> None:
+        n = event.data["n"]
+        calls[n] += 1
+        ctx.session.execute(
+            text("INSERT INTO effects (stage, order_id, event_id) VALUES ('f', :n, :id)"),
+            {"n": str(n), "id": event.id},
+        )
+        if n == 3:
+            raise RuntimeError("payment provider said no")
+
+    consumer("fragile_batch", ["step"], max_retries=2, registry=routes)(handler)
+    resent: list = []
+    processor = direct_processor(engine, inbox_settings, routes, resent)
+    processed_before = metrics.inbox_processed.labels("fragile_batch", "step")._value.get()
+    outcome = processor.handle([step_envelope(n) for n in range(1, 6)])
+    assert (outcome.processed, outcome.retried, outcome.dead) == (4, 1, 0)
+    # 1 and 2 ran before 3 failed and were redone after the roll-back; 3 did not run again
+    assert calls == Counter({1: 2, 2: 2, 3: 1, 4: 1, 5: 1})
+    assert stage_counts(engine, "f") == Counter({"1": 1, "2": 1, "4": 1, "5": 1})
+    assert resent == [[str(uuid.UUID(int=3))]]
+    assert metrics.inbox_processed.labels("fragile_batch", "step")._value.get() == (
+        processed_before + 4
+    )
+    with engine.connect() as conn:
+        failed = conn.execute(
+            text(
+                "SELECT status, attempts, last_error_class FROM pipeline.inbox"
+                " WHERE consumer = 'fragile_batch' AND event_id = :id"
+            ),
+            {"id": uuid.UUID(int=3)},
+        ).one()
+    assert tuple(failed) == ("failed", 1, "RuntimeError")
+    # the retry is attempt 2 with the same idempotency key; it fails for good at attempt 3
+    assert processor.handle([step_envelope(3)]).retried == 1
+    assert processor.handle([step_envelope(3)]).dead == 1
+    assert stage_counts(engine, "f")["3"] == 0
