@@ -53,6 +53,7 @@ from pipeline.outbox import add_event
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENT_TYPE = "bench.e2e"
+PRODUCER_APPLICATION = "pipeline-bench-producer"
 
 
 @contextmanager
@@ -247,35 +248,58 @@ def _producer_child(
     settings = Settings(database_url=url)  # type: ignore[arg-type]
     configure(settings)
     configure_tracing(settings, "bench-producer")
-    engine = create_engine(settings.sqlalchemy_url(), pool_size=int(args[-1]) + 2)
+    engine = create_engine(
+        settings.sqlalchemy_url(),
+        pool_size=int(args[-1]) + 2,
+        connect_args={"application_name": PRODUCER_APPLICATION},
+    )
     if loop == "open":
         committed = open_loop(engine, args[0], args[1], int(args[2]))
     else:
         committed = closed_loop(engine, args[0], int(args[1]))
+    backends = backend_cpu_seconds(engine, PRODUCER_APPLICATION)
     engine.dispose()
     shutdown_tracing()
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    out.put(({str(k): v for k, v in committed.items()}, usage.ru_utime + usage.ru_stime))
+    cpu = usage.ru_utime + usage.ru_stime
+    out.put(({str(k): v for k, v in committed.items()}, cpu, backends))
+
+
+def backend_cpu_seconds(engine: Any, application_name: str) -> float:
+    """CPU seconds the Postgres backends of ``application_name`` used in their lifetime
+    (read before they exit, so the producers' share of Postgres is not lost)."""
+    with engine.connect() as conn:
+        pids = conn.execute(
+            text("SELECT pid FROM pg_stat_activity WHERE application_name = :name"),
+            {"name": application_name},
+        ).scalars()
+        ticks = sum(pc._processes().get(pid, ("", 0, 0))[2] for pid in pids)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def run_producers(
     env: dict[str, str], url: str, loop: str, *args: float
-) -> tuple[dict[uuid.UUID, float], float]:
+) -> tuple[dict[uuid.UUID, float], tuple[float, float]]:
     """Producers in a spawned process (its own tracing set-up).
 
-    Returns commit times by event id, and the CPU seconds the producer process used.
+    Returns commit times by event id, and the CPU seconds used by the producer process
+    and by its Postgres backends.
     """
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
     child = context.Process(target=_producer_child, args=(env, url, loop, args, queue))
     child.start()
-    committed, cpu_seconds = queue.get()
+    committed, cpu_seconds, backend_seconds = queue.get()
     child.join()
-    return {uuid.UUID(k): v for k, v in committed.items()}, cpu_seconds
+    return {uuid.UUID(k): v for k, v in committed.items()}, (cpu_seconds, backend_seconds)
 
 
 def cpu_by_component(
-    before: pc.CpuSample, after: pc.CpuSample, pipeline: Pipeline, producer_cpu: float, events: int
+    before: pc.CpuSample,
+    after: pc.CpuSample,
+    pipeline: Pipeline,
+    producer_cpu: tuple[float, float],
+    events: int,
 ) -> dict[str, float]:
     """CPU milliseconds per processed event, by component (where tracing's cost lands)."""
     hz = os.sysconf("SC_CLK_TCK")
@@ -300,7 +324,8 @@ def cpu_by_component(
             name = component(pid)
             ticks[name] = ticks.get(name, 0) + used - before.processes[pid][2]
     split = {name: round(1000 * t / hz / max(events, 1), 3) for name, t in sorted(ticks.items())}
-    split["producers"] = round(1000 * producer_cpu / max(events, 1), 3)
+    split["producers"] = round(1000 * producer_cpu[0] / max(events, 1), 3)
+    split["postgres (producer connections)"] = round(1000 * producer_cpu[1] / max(events, 1), 3)
     return split
 
 
@@ -354,7 +379,9 @@ class CpuWindow:
         self.busy = machine_busy_seconds()
         self.sample = pc._sample()
 
-    def per_event(self, pipeline: Pipeline, producer_cpu: float, events: int) -> dict[str, Any]:
+    def per_event(
+        self, pipeline: Pipeline, producer_cpu: tuple[float, float], events: int
+    ) -> dict[str, Any]:
         busy = machine_busy_seconds() - self.busy
         return {
             "machine_cpu_ms_per_event": round(busy * 1000 / max(events, 1), 3),

@@ -101,8 +101,11 @@ async def add_events_async(session: AsyncSession, events: Sequence[NewEvent]) ->
 def _insert(rows: list[dict[str, Any]], settings: Settings) -> tuple[str, dict[str, Any]]:
     """One INSERT for all rows (a precompiled statement: the hot path skips SQLAlchemy's
     compiler), with the rows in the order their ordering keys are locked."""
+    queries = queries_for(settings.schema_name)
+    if len(rows) == 1:
+        return queries.text("outbox_insert_one"), rows[0]
     ordered = insertion_order(rows)
-    return queries_for(settings.schema_name).text("outbox_insert"), {
+    return queries.text("outbox_insert"), {
         parameter: [row[column] for row in ordered]
         for parameter, column in INSERT_PARAMETERS.items()
     }

@@ -159,6 +159,14 @@ FROM unnest(%(ids)s::uuid[], %(aggregate_types)s::text[], %(aggregate_ids)s::tex
           headers, position)
 ORDER BY position;
 
+-- name: outbox_insert_one
+-- outbox_insert for the common case of one event: scalar parameters (binding eight
+-- one-element arrays costs the producer ~100 us of CPU more per transaction).
+INSERT INTO {schema}.outbox (id, aggregate_type, aggregate_id, ordering_key, event_type,
+                             event_version, payload, headers)
+VALUES (%(id)s, %(aggregate_type)s, %(aggregate_id)s, %(ordering_key)s, %(event_type)s,
+        %(event_version)s, %(payload)s::jsonb, %(headers)s::jsonb);
+
 -- name: canary_insert
 -- The end-to-end canary: a heartbeat event through the whole path (unordered, tiny).
 INSERT INTO {schema}.outbox (id, event_type, payload, headers)
