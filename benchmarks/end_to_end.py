@@ -4,7 +4,8 @@ Everything runs on this machine: a durable Postgres (fsync on) and a Redis start
 the script (unless URLs are given), one ``pipeline relay`` process and one
 ``pipeline worker`` process (2 worker processes x 8 threads by default) whose consumer
 ``e2e`` does one trivial INSERT per event (``benchmarks/e2e_app.py``). Producers use the
-real API (``add_event`` in a SQLAlchemy session), one event per transaction.
+real API (``add_event`` in a SQLAlchemy session), one event per transaction unless
+``--events-per-transaction`` says more (then ``add_events``).
 
 * ``latency``: open-loop producers offer a fixed rate (500 and 1,000 events/s by default)
   for ``--duration`` seconds; latency = handler done (``time.time()`` in the handler) -
@@ -49,7 +50,7 @@ from benchmarks.producer_cost import _machine, _ms, _percentile
 from pipeline.config import Settings, configure
 from pipeline.db.migrate import upgrade
 from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
-from pipeline.outbox import add_event
+from pipeline.outbox import NewEvent, add_event, add_events
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENT_TYPE = "bench.e2e"
@@ -175,10 +176,22 @@ class Pipeline:
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-def produce_one(engine: Any, committed: dict[uuid.UUID, float]) -> None:
+def produce(engine: Any, committed: dict[uuid.UUID, float], per_transaction: int) -> None:
+    """One producer transaction: ``per_transaction`` events (add_event, or add_events)."""
     with Session(engine) as session, session.begin():
-        event_id = add_event(session, EVENT_TYPE, {"n": 1, "note": "benchmark"})
-    committed[event_id] = time.time()
+        if per_transaction == 1:
+            ids = [add_event(session, EVENT_TYPE, {"n": 1, "note": "benchmark"})]
+        else:
+            ids = add_events(
+                session,
+                [
+                    NewEvent(EVENT_TYPE, {"n": n, "note": "benchmark"})
+                    for n in range(per_transaction)
+                ],
+            )
+    now = time.time()
+    for event_id in ids:
+        committed[event_id] = now
 
 
 def run_threads(target: Callable[[], None], count: int) -> None:
@@ -189,9 +202,12 @@ def run_threads(target: Callable[[], None], count: int) -> None:
         thread.join()
 
 
-def open_loop(engine: Any, rate: float, duration: float, producers: int) -> dict[uuid.UUID, float]:
+def open_loop(
+    engine: Any, rate: float, duration: float, producers: int, per_transaction: int = 1
+) -> dict[uuid.UUID, float]:
     """Offer ``rate`` events/s on a fixed schedule (late sends are not skipped)."""
     committed: dict[uuid.UUID, float] = {}
+    rate /= per_transaction  # transactions per second
     total = int(rate * duration)
     start = time.perf_counter() + 0.2
     counter = iter(range(total))
@@ -206,19 +222,21 @@ def open_loop(engine: Any, rate: float, duration: float, producers: int) -> dict
             delay = start + index / rate - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
-            produce_one(engine, committed)
+            produce(engine, committed, per_transaction)
 
     run_threads(run, producers)
     return committed
 
 
-def closed_loop(engine: Any, duration: float, producers: int) -> dict[uuid.UUID, float]:
+def closed_loop(
+    engine: Any, duration: float, producers: int, per_transaction: int
+) -> dict[uuid.UUID, float]:
     committed: dict[uuid.UUID, float] = {}
     deadline = time.perf_counter() + duration
 
     def run() -> None:
         while time.perf_counter() < deadline:
-            produce_one(engine, committed)
+            produce(engine, committed, per_transaction)
 
     run_threads(run, producers)
     return committed
@@ -239,7 +257,7 @@ def wait_processed(engine: Any, ids: Sequence[uuid.UUID], timeout: float) -> dic
 
 
 def _producer_child(
-    env: dict[str, str], url: str, loop: str, args: tuple[float, ...], out: Any
+    env: dict[str, str], url: str, loop: str, args: tuple[float, ...], per_tx: int, out: Any
 ) -> None:
     """Run producers in a process of their own, traced as the mode says (``on``: exported)."""
     os.environ.update(env)
@@ -254,9 +272,9 @@ def _producer_child(
         connect_args={"application_name": PRODUCER_APPLICATION},
     )
     if loop == "open":
-        committed = open_loop(engine, args[0], args[1], int(args[2]))
+        committed = open_loop(engine, args[0], args[1], int(args[2]), per_tx)
     else:
-        committed = closed_loop(engine, args[0], int(args[1]))
+        committed = closed_loop(engine, args[0], int(args[1]), per_tx)
     backends = backend_cpu_seconds(engine, PRODUCER_APPLICATION)
     engine.dispose()
     shutdown_tracing()
@@ -278,7 +296,7 @@ def backend_cpu_seconds(engine: Any, application_name: str) -> float:
 
 
 def run_producers(
-    env: dict[str, str], url: str, loop: str, *args: float
+    env: dict[str, str], url: str, loop: str, *args: float, per_transaction: int = 1
 ) -> tuple[dict[uuid.UUID, float], tuple[float, float]]:
     """Producers in a spawned process (its own tracing set-up).
 
@@ -287,7 +305,9 @@ def run_producers(
     """
     context = multiprocessing.get_context("spawn")
     queue = context.Queue()
-    child = context.Process(target=_producer_child, args=(env, url, loop, args, queue))
+    child = context.Process(
+        target=_producer_child, args=(env, url, loop, args, per_transaction, queue)
+    )
     child.start()
     committed, cpu_seconds, backend_seconds = queue.get()
     child.join()
@@ -337,12 +357,15 @@ def measure_rate(
     duration: float,
     producers: int,
     pipeline: Pipeline,
+    per_transaction: int = 1,
 ) -> dict[str, Any]:
     """Open loop at ``rate``; also CPU per event, which at a fixed rate does not feed back
     into batch sizes as a closed loop does (so it compares observability modes best)."""
     cpu = CpuWindow()
     started = time.time()
-    committed, producer_cpu = run_producers(env, url, "open", rate, duration, producers)
+    committed, producer_cpu = run_producers(
+        env, url, "open", rate, duration, producers, per_transaction=per_transaction
+    )
     last_commit = max(committed.values())
     done = wait_processed(engine, list(committed), timeout=60)
     cpu_per_event = cpu.per_event(pipeline, producer_cpu, len(done))
@@ -398,11 +421,14 @@ def measure_throughput(
     duration: float,
     producers: int,
     pipeline: Pipeline,
+    per_transaction: int = 1,
 ) -> dict[str, Any]:
     """Closed loop; also the machine's CPU per event (stabler than rates on 2 busy cores)."""
     cpu = CpuWindow()
     started = time.time()
-    committed, producer_cpu = run_producers(env, url, "closed", duration, producers)
+    committed, producer_cpu = run_producers(
+        env, url, "closed", duration, producers, per_transaction=per_transaction
+    )
     ended = time.time()
     done = wait_processed(engine, list(committed), timeout=120)
     cpu_per_event = cpu.per_event(pipeline, producer_cpu, len(done))
@@ -426,6 +452,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rates", default="500,1000")
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--producers", type=int, default=8)
+    parser.add_argument(
+        "--events-per-transaction",
+        type=int,
+        default=1,
+        help="events each producer transaction commits (1: add_event; more: add_events)",
+    )
     parser.add_argument("--worker-processes", type=int, default=2)
     parser.add_argument("--worker-threads", type=int, default=8)
     parser.add_argument("--only", default="latency,throughput")
@@ -474,12 +506,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                             args.duration,
                             args.producers,
                             pipeline,
+                            args.events_per_transaction,
                         )
                         for rate in args.rates.split(",")
                     ]
                 if "throughput" in only:
                     runs["throughput"] = measure_throughput(
-                        env, database_url, engine, args.duration, args.producers, pipeline
+                        env,
+                        database_url,
+                        engine,
+                        args.duration,
+                        args.producers,
+                        pipeline,
+                        args.events_per_transaction,
                     )
             finally:
                 pipeline.stop()
@@ -500,8 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "relay": "1 process, --mode auto",
                 "workers": f"{args.worker_processes} processes x {args.worker_threads} threads",
                 "producers": (
-                    f"{args.producers} threads in one spawned process, one event per "
-                    "transaction; with observability on they trace (create spans, OTLP export)"
+                    f"{args.producers} threads in one spawned process, "
+                    f"{args.events_per_transaction} event(s) per transaction; with "
+                    "observability on they trace (create spans, OTLP export)"
                 ),
                 "worker_timeout_ms": settings.worker_timeout_ms,
             },

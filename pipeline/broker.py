@@ -70,14 +70,21 @@ class WakeableRedisConsumer(_RedisConsumer):
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
+    _drained = False  # the last fetch got fewer messages than it asked for
+
     def _fetch(self) -> bool:
         messages: list[Any] = []
-        if self.outstanding_message_count < self.prefetch:
-            self.message_cache = messages = self.broker.do_fetch(
-                self.queue_name, self.prefetch - self.outstanding_message_count
-            )
+        wanted = self.prefetch - self.outstanding_message_count
+        if wanted > 0 and not self._drained:
+            self.message_cache = messages = self.broker.do_fetch(self.queue_name, wanted)
         if messages:
+            # A short fetch emptied the queue: wait on the wake-up list next instead of
+            # asking again (one Redis call per message fewer on a lightly loaded queue).
+            # Anything enqueued after this fetch pushed a wake-up after it, so BLPOP
+            # returns at once for it.
+            self._drained = len(messages) < wanted
             return True
+        self._drained = False
         self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
         if self.outstanding_message_count < self.prefetch:
             timeout = max(backoff_ms / 1000, 0.01)
