@@ -113,17 +113,23 @@ class OtlpSink(ThreadingHTTPServer):
 def observability_env(mode: str, sink: OtlpSink) -> dict[str, str]:
     """The environment of one observability mode.
 
-    ``on``: spans exported over OTLP/HTTP (producers too) and both /metrics endpoints
-    served; ``off``: neither; ``tracing`` or ``metrics``: only that half (to split the cost).
+    ``on``: every span exported over OTLP/HTTP (producers too) and both /metrics endpoints
+    served; ``sampled``: the same with 10 % head sampling (``parentbased_traceidratio``:
+    every event still carries its trace context, one trace in ten is recorded); ``off``:
+    neither; ``tracing`` or ``metrics``: only that half (to split the cost).
     """
-    if mode not in ("on", "off", "tracing", "metrics"):
-        raise SystemExit(f"unknown observability mode {mode!r}: use on, off, tracing, metrics")
+    if mode not in ("on", "sampled", "off", "tracing", "metrics"):
+        raise SystemExit(
+            f"unknown observability mode {mode!r}: use on, sampled, off, tracing, metrics"
+        )
     env: dict[str, str] = {}
-    if mode in ("on", "tracing"):
+    if mode in ("on", "sampled", "tracing"):
         env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint)
     else:
         env["OTEL_SDK_DISABLED"] = "true"
-    metrics_on = mode in ("on", "metrics")
+    if mode == "sampled":
+        env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.1")
+    metrics_on = mode in ("on", "sampled", "metrics")
     env["PIPELINE_METRICS_PORT"] = str(free_port()) if metrics_on else "0"
     env["PIPELINE_WORKER_METRICS_PORT"] = str(free_port()) if metrics_on else "0"
     return env
@@ -464,7 +470,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--observability",
         default="on",
-        help="comma-separated runs: on (OTLP export + /metrics), off (neither), tracing, metrics",
+        help=(
+            "comma-separated runs: on (OTLP export + /metrics), sampled (the same, 10 %% of "
+            "traces recorded), off (neither), tracing, metrics"
+        ),
     )
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")

@@ -77,8 +77,10 @@ class Committed:
 
     processed: list[tuple[ReceivedEvent, float]] = field(default_factory=list)  # and duration
     duplicates: list[ReceivedEvent] = field(default_factory=list)
+    copies: list[ReceivedEvent] = field(default_factory=list)  # repeated in the same message
 
     def clear(self) -> None:
+        """Forget the rolled-back fast way (copies stay: they are duplicates however it ends)."""
         self.processed.clear()
         self.duplicates.clear()
 
@@ -154,12 +156,14 @@ class InboxProcessor:
         batch: dict[uuid.UUID, tuple[dict[str, Any], ReceivedEvent]] = {}
         for envelope, event in events:
             if event.id in batch:  # the same event twice in one message: one runs
-                self._count_duplicate(event, outcome)
+                committed.copies.append(event)
+                with tracing.process_span(event, consumer, 0) as span:
+                    tracing.mark_duplicate(span)
             else:
                 batch[event.id] = (envelope, event)
         runs = list(batch.values())
         attempts = self._claim_all(session.connection(), [event for _, event in runs])
-        for index, (envelope, event) in enumerate(runs):
+        for _, event in runs:
             attempt = attempts.get(event.id)
             if attempt is None:
                 committed.duplicates.append(event)
@@ -179,25 +183,52 @@ class InboxProcessor:
                     metrics.handler_duration.labels(consumer, event.type).observe(
                         time.perf_counter() - started
                     )
-                    retry = self._failed(
-                        session.connection(), envelope, event, attempt, exc, outcome, span
-                    )
-                    failed = index
-                    break
+                    self._recover(session, runs, event, attempt, exc, outcome, span)
+                    return
             committed.processed.append((event, time.perf_counter() - started))
-        else:
-            return
-        if retry is not None:
-            outcome.resends.append(retry)
-        for envelope, event in runs[:failed] + runs[failed + 1 :]:
-            retry = self._handle_one(session, envelope, event, outcome, alone=False)
+
+    def _recover(
+        self,
+        session: Session,
+        runs: Sequence[tuple[dict[str, Any], ReceivedEvent]],
+        failed: ReceivedEvent,
+        attempt: int,
+        exc: BaseException,
+        outcome: Outcome,
+        span: Any,
+    ) -> None:
+        """After a fast-way failure (rolled back): record it, and redo the rest carefully.
+
+        Keys are locked in event-id order, as the fast way's claim does, so a copy of the
+        message on another worker cannot deadlock with this one. After a time limit the
+        others are re-sent (no attempt counted) rather than run again past the limit.
+        """
+        others: list[dict[str, Any]] = []
+        for envelope, event in sorted(runs, key=lambda run: run[1].id):
+            if event is failed:
+                retry = self._failed(
+                    session.connection(), envelope, event, attempt, exc, outcome, span
+                )
+            elif isinstance(exc, TimeLimitExceeded):
+                others.append(envelope)
+                continue
+            else:
+                retry = self._handle_one(session, envelope, event, outcome, alone=False)
             if retry is not None:
                 outcome.resends.append(retry)
+        if others:
+            outcome.resends.append(Resend(others, 0.0))
 
     def _claim_all(
         self, connection: Connection, events: Sequence[ReceivedEvent]
     ) -> dict[uuid.UUID, int]:
         """Claim every event in one statement: attempt numbers of those not yet done."""
+        if len(events) == 1:  # scalar parameters: binding one-element arrays costs more
+            (event,) = events
+            row = connection.exec_driver_sql(
+                self.queries.text("inbox_claim"), self._key_params(event)
+            ).first()
+            return {} if row is None else {event.id: int(row[0])}
         rows = connection.exec_driver_sql(
             self.queries.text("inbox_claim_many"),
             {
@@ -217,10 +248,11 @@ class InboxProcessor:
             metrics.handler_duration.labels(consumer, event.type).observe(duration)
             metrics.inbox_processed.labels(consumer, event.type).inc()
             metrics.observe_end_to_end(consumer, event)
-        for event in committed.duplicates:
+        duplicates = committed.duplicates + committed.copies
+        for event in duplicates:
             metrics.inbox_duplicates.labels(consumer, event.type).inc()
         outcome.processed += len(committed.processed)
-        outcome.duplicates += len(committed.duplicates)
+        outcome.duplicates += len(duplicates)
 
     def _count_duplicate(self, event: ReceivedEvent, outcome: Outcome) -> None:
         outcome.duplicates += 1

@@ -529,3 +529,30 @@ def test_a_failing_handler_in_a_batch_keeps_its_neighbours_and_runs_once(engine,
     assert processor.handle([step_envelope(3)]).retried == 1
     assert processor.handle([step_envelope(3)]).dead == 1
     assert stage_counts(engine, "f")["3"] == 0
+
+
+def test_a_time_limit_in_a_batch_resends_the_neighbours_instead_of_running_them_again(
+    engine, inbox_settings
+):
+    from dramatiq.middleware import TimeLimitExceeded
+
+    from pipeline.inbox.consumer import consumer
+
+    routes = Registry()
+    calls: Counter = Counter()
+
+    def handler(event, ctx) -> None:
+        calls[event.data["n"]] += 1
+        if event.data["n"] == 2:
+            raise TimeLimitExceeded()
+
+    consumer("slow_batch", ["step"], max_retries=3, registry=routes)(handler)
+    resent: list = []
+    processor = direct_processor(engine, inbox_settings, routes, resent)
+    outcome = processor.handle([step_envelope(n) for n in (1, 2, 3)])
+    assert (outcome.processed, outcome.retried) == (0, 1)
+    assert calls == Counter({1: 1, 2: 1})  # 1 is not run again past the limit, 3 never ran
+    assert sorted(resent) == sorted(
+        [[str(uuid.UUID(int=2))], [str(uuid.UUID(int=n)) for n in (1, 3)]]
+    )
+    assert scalar(engine, "SELECT count(*) FROM pipeline.inbox WHERE consumer = 'slow_batch'") == 1
