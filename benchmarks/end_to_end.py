@@ -55,6 +55,7 @@ from pipeline.outbox import NewEvent, add_event, add_events
 ROOT = Path(__file__).resolve().parent.parent
 EVENT_TYPE = "bench.e2e"
 PRODUCER_APPLICATION = "pipeline-bench-producer"
+WARM_UP_SECONDS = 6.0
 
 
 @contextmanager
@@ -502,7 +503,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             runs: dict[str, Any] = {}
             try:
-                warm = open_loop(engine, 200, 1.0, 2)
+                # Long enough for every process's first span export (the batch processor
+                # exports after 5 s): its one-off start-up cost is not steady state.
+                warm = open_loop(engine, 200, WARM_UP_SECONDS, 2)
                 if len(wait_processed(engine, list(warm), timeout=60)) != len(warm):
                     raise SystemExit(f"warm-up events were not processed; see {logs}")
                 if "latency" in only:
