@@ -157,8 +157,7 @@ class InboxProcessor:
         for envelope, event in events:
             if event.id in batch:  # the same event twice in one message: one runs
                 committed.copies.append(event)
-                with tracing.process_span(event, consumer, 0) as span:
-                    tracing.mark_duplicate(span)
+                self._duplicate_span(event)
             else:
                 batch[event.id] = (envelope, event)
         runs = list(batch.values())
@@ -167,8 +166,7 @@ class InboxProcessor:
             attempt = attempts.get(event.id)
             if attempt is None:
                 committed.duplicates.append(event)
-                with tracing.process_span(event, consumer, 0) as span:
-                    tracing.mark_duplicate(span)
+                self._duplicate_span(event)
                 continue
             started = time.perf_counter()
             with tracing.process_span(event, consumer, attempt) as span:
@@ -257,6 +255,10 @@ class InboxProcessor:
     def _count_duplicate(self, event: ReceivedEvent, outcome: Outcome) -> None:
         outcome.duplicates += 1
         metrics.inbox_duplicates.labels(self.subscription.consumer, event.type).inc()
+        self._duplicate_span(event)
+
+    def _duplicate_span(self, event: ReceivedEvent) -> None:
+        """A ``process`` span for a delivery the inbox had already seen (no handler ran)."""
         with tracing.process_span(event, self.subscription.consumer, 0) as span:
             tracing.mark_duplicate(span)
 

@@ -348,23 +348,15 @@ def test_retention_shorter_than_redelivery_horizon_is_refused(settings):
 def test_a_dead_lettered_envelope_does_not_block_its_key_for_an_ordered_consumer(
     engine, inbox_settings
 ):
-    from pipeline.inbox.consumer import consumer, definitions
-    from pipeline.inbox.processor import InboxProcessor
+    from pipeline.inbox.consumer import consumer
 
     routes = Registry()
     handled: list[int] = []
     consumer("seq", ["step"], ordered=True, registry=routes)(
         lambda event, ctx: handled.append(event.seq)
     )
-    subscription, definition = definitions(routes)[0]
     resent: list = []
-    processor = InboxProcessor(
-        inbox_settings,
-        subscription,
-        definition,
-        lambda: engine,
-        lambda envelopes, delay: resent.append(envelopes),
-    )
+    processor = direct_processor(engine, inbox_settings, routes, resent)
     first, second = uuid.uuid4(), uuid.uuid4()
     with engine.begin() as conn:  # what the relay records when it delivers the key's events
         conn.execute(
@@ -399,8 +391,7 @@ def test_a_lost_database_connection_is_redelivered_not_counted_as_a_handler_fail
     back to Dramatiq (infrastructure retry), not spend one of the handler's attempts."""
     from sqlalchemy.exc import DBAPIError
 
-    from pipeline.inbox.consumer import consumer, definitions
-    from pipeline.inbox.processor import InboxProcessor
+    from pipeline.inbox.consumer import consumer
 
     routes = Registry()
     calls: list[int] = []
@@ -411,10 +402,7 @@ def test_a_lost_database_connection_is_redelivered_not_counted_as_a_handler_fail
             ctx.session.execute(text("SELECT pg_terminate_backend(pg_backend_pid())"))
 
     consumer("fragile", ["step"], max_retries=0, registry=routes)(handler)
-    subscription, definition = definitions(routes)[0]
-    processor = InboxProcessor(
-        inbox_settings, subscription, definition, lambda: engine, lambda *_: None
-    )
+    processor = direct_processor(engine, inbox_settings, routes)
     envelope = {"specversion": "1.0", "id": str(uuid.uuid4()), "type": "step", "source": "/t"}
     envelope["data"] = {}
     with pytest.raises(DBAPIError):
