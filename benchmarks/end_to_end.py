@@ -356,6 +356,40 @@ def cpu_by_component(
     return split
 
 
+def phases(
+    engine: Any, committed: dict[uuid.UUID, float], done: dict[str, float]
+) -> dict[str, float | None]:
+    """Median time of each hop, from the rows' own timestamps (one clock on one machine).
+
+    Commit → the relay marks it sent (``outbox.published_at``, after the broker took it)
+    → the inbox claims it (``inbox.received_at``) → its handler is done (``done_at``).
+    """
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT o.id::text, extract(epoch FROM o.published_at)::float8,"
+                " extract(epoch FROM i.received_at)::float8"
+                " FROM pipeline.outbox o JOIN pipeline.inbox i ON i.event_id = o.id"
+                " WHERE i.consumer = 'e2e'"
+            )
+        ).all()
+    marks = {r[0]: (r[1], r[2]) for r in rows}
+    hops: dict[str, list[float]] = {
+        "commit_to_sent": [],
+        "commit_to_claimed": [],
+        "claimed_to_done": [],
+    }
+    for event_id, commit in committed.items():
+        key = str(event_id)
+        if key not in marks or key not in done or marks[key][0] is None:
+            continue
+        sent, claimed = marks[key]
+        hops["commit_to_sent"].append(sent - commit)
+        hops["commit_to_claimed"].append(claimed - commit)
+        hops["claimed_to_done"].append(done[key] - claimed)
+    return {name: _ms(_percentile(values, 0.50)) for name, values in hops.items()}
+
+
 def measure_rate(
     env: dict[str, str],
     url: str,
@@ -379,6 +413,7 @@ def measure_rate(
     latencies = [done[str(i)] - t for i, t in committed.items() if str(i) in done]
     lagging = [d - last_commit for d in done.values()]
     return {
+        "phases_ms_p50": phases(engine, committed, done),
         **cpu_per_event,
         "offered_events_per_s": rate,
         "achieved_commit_rate": round(len(committed) / (last_commit - started), 1),

@@ -1,16 +1,24 @@
 """The Dramatiq broker on Redis, built from settings.
 
 ``PipelineRedisBroker`` changes one thing in Dramatiq's Redis consumer: an idle
-consumer blocks on a per-queue wake-up list (pushed by the publisher together with
-each batch) instead of sleeping up to ``worker_timeout``, so an idle pipeline
-delivers at once without polling Redis hard. Undecodable messages are handed to
-:attr:`PipelineRedisBroker.undecodable_sink` and removed, instead of being stuck in
-the consumer's un-acked set.
+consumer blocks on a per-queue wake-up list instead of sleeping up to
+``worker_timeout``, so an idle pipeline delivers at once without polling Redis hard.
+Every enqueue pushes a wake-up (the relay's publisher with each batch, this broker
+for Dramatiq's own enqueues), so a consumer whose wait timed out has nothing to fetch
+and only sweeps the queue once a second (for messages requeued by Dramatiq's
+maintenance, and to keep its heartbeat fresh). One wake-up wakes one consumer; one
+whose fetch came back full passes a wake-up on, so others join in on a backlog.
+Without this, every consumer whose short wait had expired woke on the next Redis
+command and fetched at once, and each delivery set off a herd of empty fetches.
+
+Undecodable messages are handed to :attr:`PipelineRedisBroker.undecodable_sink` and
+removed, instead of being stuck in the consumer's un-acked set.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +41,10 @@ log = logging.getLogger("pipeline.broker")
 
 UndecodableSink = Callable[[str, bytes, str], None]
 """Called with (queue name, raw message bytes, reason) for a message that is not decodable."""
+
+
+SWEEP_INTERVAL = 1.0
+"""Seconds between fetches of a consumer that no wake-up has called for."""
 
 
 def wake_key(namespace: str, queue_name: str) -> str:
@@ -71,28 +83,31 @@ class WakeableRedisConsumer(_RedisConsumer):
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
     _drained = False  # the last fetch got fewer messages than it asked for
+    _last_fetch = 0.0  # monotonic time of the last fetch
 
     def _fetch(self) -> bool:
         messages: list[Any] = []
         wanted = self.prefetch - self.outstanding_message_count
         if wanted > 0 and not self._drained:
+            self._last_fetch = time.monotonic()
             self.message_cache = messages = self.broker.do_fetch(self.queue_name, wanted)
         if messages:
             # A short fetch emptied the queue: wait on the wake-up list next instead of
-            # asking again (one Redis call per message fewer on a lightly loaded queue).
-            # Anything enqueued after this fetch pushed a wake-up after it, so BLPOP
-            # returns at once for it.
+            # asking again (anything enqueued after this fetch pushed a wake-up after it,
+            # so the wait returns at once for it). A full one may have left a backlog.
             self._drained = len(messages) < wanted
+            if not self._drained:
+                self.broker.wake(self.queue_name)
             return True
-        self._drained = False
-        self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
-        if self.outstanding_message_count < self.prefetch:
-            timeout = max(backoff_ms / 1000, 0.01)
-            self.broker.client.blpop([wake_key(self.broker.namespace, self.queue_name)], timeout)
-        else:
-            import time
-
+        if self.outstanding_message_count >= self.prefetch:  # enough in hand: back off
+            self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
             time.sleep(backoff_ms / 1000)
+            self._drained = False
+            return False
+        woken = self.broker.client.blpop(
+            [wake_key(self.broker.namespace, self.queue_name)], self.timeout / 1000
+        )
+        self._drained = woken is None and time.monotonic() - self._last_fetch < SWEEP_INTERVAL
         return False
 
     def _discard_undecodable(self, data: bytes, reason: str) -> None:
@@ -112,6 +127,20 @@ class PipelineRedisBroker(RedisBroker):
     @property
     def consumer_class(self) -> type[WakeableRedisConsumer]:
         return WakeableRedisConsumer
+
+    def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
+        """Dramatiq's enqueue (actor sends, re-sends, due delayed messages), then a wake-up."""
+        enqueued: Message[Any] = super().enqueue(message, delay=delay)
+        self.wake(enqueued.queue_name)
+        return enqueued
+
+    def wake(self, queue_name: str) -> None:
+        """Leave one wake-up on the queue's list (a list of at most one: wake-ups fold)."""
+        key = wake_key(self.namespace, queue_name)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.lpush(key, "1")
+        pipe.ltrim(key, 0, 0)
+        pipe.execute()
 
 
 def make_broker(settings: Settings, middleware: list[Any] | None = None) -> PipelineRedisBroker:
