@@ -402,21 +402,22 @@ def measure_rate(
 ) -> dict[str, Any]:
     """Open loop at ``rate``; also CPU per event, which at a fixed rate does not feed back
     into batch sizes as a closed loop does (so it compares observability modes best)."""
+    probe = speed_probe_ms()
     cpu = CpuWindow()
-    started = time.time()
     committed, producer_cpu = run_producers(
         env, url, "open", rate, duration, producers, per_transaction=per_transaction
     )
-    last_commit = max(committed.values())
+    first_commit, last_commit = min(committed.values()), max(committed.values())
     done = wait_processed(engine, list(committed), timeout=60)
     cpu_per_event = cpu.per_event(pipeline, producer_cpu, len(done))
     latencies = [done[str(i)] - t for i, t in committed.items() if str(i) in done]
     lagging = [d - last_commit for d in done.values()]
     return {
+        "speed_probe_ms": probe,
         "phases_ms_p50": phases(engine, committed, done),
         **cpu_per_event,
         "offered_events_per_s": rate,
-        "achieved_commit_rate": round(len(committed) / (last_commit - started), 1),
+        "achieved_commit_rate": round((len(committed) - 1) / (last_commit - first_commit), 1),
         "events": len(committed),
         "processed": len(done),
         "sustained": len(done) == len(committed) and max(lagging, default=0) < 2.0,
@@ -427,6 +428,19 @@ def measure_rate(
             "max": _ms(max(latencies, default=None) if latencies else None),
         },
     }
+
+
+def speed_probe_ms() -> float:
+    """Milliseconds for a fixed pure-Python loop, taken before each measurement.
+
+    This machine's speed drifts by tens of percent within an hour (shared host); runs are
+    comparable only when their probes are close.
+    """
+    started = time.perf_counter()
+    total = 0
+    for n in range(2_000_000):
+        total += n
+    return round((time.perf_counter() - started) * 1000, 1)
 
 
 def machine_busy_seconds() -> float:
@@ -466,6 +480,7 @@ def measure_throughput(
     per_transaction: int = 1,
 ) -> dict[str, Any]:
     """Closed loop; also the machine's CPU per event (stabler than rates on 2 busy cores)."""
+    probe = speed_probe_ms()
     cpu = CpuWindow()
     started = time.time()
     committed, producer_cpu = run_producers(
@@ -478,6 +493,7 @@ def measure_throughput(
     in_window = sum(1 for d in done.values() if window_start <= d <= window_end)
     finished = max(done.values(), default=ended)
     return {
+        "speed_probe_ms": probe,
         "producers": producers,
         "committed": len(committed),
         "commit_rate": round(len(committed) / (ended - started), 1),
