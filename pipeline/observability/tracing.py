@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,8 +39,7 @@ from typing import TYPE_CHECKING
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode
-from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, TraceState
 
 from pipeline.config import Settings
 from pipeline.errors import ConfigurationError
@@ -69,8 +69,6 @@ ATTEMPT = "pipeline.attempt"
 DUPLICATE = "pipeline.duplicate"
 DEAD_LETTERED = "pipeline.dead_lettered"
 
-_W3C = TraceContextTextMapPropagator()
-
 
 @functools.cache
 def _tracer() -> trace.Tracer:
@@ -98,23 +96,50 @@ def span_headers(span: Span) -> dict[str, str]:
     return headers
 
 
+# W3C trace-context ``traceparent``: what OpenTelemetry's propagator accepts, parsed here
+# because it runs once per handled event (the propagator's carrier plumbing costs more).
+_TRACEPARENT = re.compile(
+    r"^\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?\s*$"
+)
+
+
+def remote_span_context(
+    traceparent: str | None, tracestate: str | None = None
+) -> trace.SpanContext | None:
+    """The remote span context a ``traceparent`` names, or ``None`` for none (or junk)."""
+    if not traceparent:
+        return None
+    match = _TRACEPARENT.match(traceparent)
+    if match is None:
+        return None
+    version, trace_hex, span_hex, flags, rest = match.groups()
+    if version == "ff" or (version == "00" and rest):
+        return None
+    trace_id, span_id = int(trace_hex, 16), int(span_hex, 16)
+    if not trace_id or not span_id:
+        return None
+    return trace.SpanContext(
+        trace_id,
+        span_id,
+        is_remote=True,
+        trace_flags=trace.TraceFlags(int(flags, 16)),
+        trace_state=TraceState.from_header([tracestate]) if tracestate else None,
+    )
+
+
 def extract_context(
     traceparent: str | None, tracestate: str | None = None
 ) -> otel_context.Context | None:
     """The remote context stored with a message, or ``None`` when it carries none (or junk)."""
-    if not traceparent:
+    span_context = remote_span_context(traceparent, tracestate)
+    if span_context is None:
         return None
-    carrier = {"traceparent": traceparent}
-    if tracestate:
-        carrier["tracestate"] = tracestate
-    ctx = _W3C.extract(carrier)
-    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+    return trace.set_span_in_context(trace.NonRecordingSpan(span_context))
 
 
 def headers_span_context(headers: Mapping[str, str]) -> trace.SpanContext | None:
     """The creation span context stored in an outbox row's headers, if valid."""
-    ctx = extract_context(headers.get("traceparent"), headers.get("tracestate"))
-    return trace.get_current_span(ctx).get_span_context() if ctx is not None else None
+    return remote_span_context(headers.get("traceparent"), headers.get("tracestate"))
 
 
 # -- producer ------------------------------------------------------------------------------
@@ -244,33 +269,48 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
     follow-up events form one trace); without one it continues the current context.
     Being current, it parents the handler's own spans, follow-up ``create`` spans and
     log lines. An exception escaping the block marks the span failed (by class only)
-    and propagates.
+    and propagates. Without an SDK provider only the creation context is made current,
+    so follow-up events still carry it. It runs once per handled event, so it calls
+    ``start_span`` and attaches the context itself rather than through the layered
+    context managers of ``start_as_current_span``.
     """
-    parent = extract_context(event.traceparent, event.tracestate)
-    attributes: dict[str, str | int] = {
-        SYSTEM: MESSAGING_SYSTEM,
-        OPERATION_TYPE: "process",
-        OPERATION_NAME: "process",
-        DESTINATION: event.type,
-        MESSAGE_ID: str(event.id),
-        CONSUMER_GROUP: consumer,
-        ATTEMPT: attempt,
-    }
-    if event.correlation_id is not None:
-        attributes[CONVERSATION_ID] = event.correlation_id
-    with _tracer().start_as_current_span(
-        f"process {event.type}",
-        context=parent,
-        kind=SpanKind.CONSUMER,
-        attributes=attributes,
-        record_exception=False,
-        set_status_on_exception=False,
-    ) as span:
-        try:
-            yield span
-        except BaseException as exc:
-            _fail(span, exc)
-            raise
+    parent = remote_span_context(event.traceparent, event.tracestate)
+    if not _links_wanted():  # no SDK: nothing is recorded, the context still travels
+        if parent is None:
+            yield trace.get_current_span()
+            return
+        span: Span = trace.NonRecordingSpan(parent)
+    else:
+        attributes: dict[str, str | int] = {
+            SYSTEM: MESSAGING_SYSTEM,
+            OPERATION_TYPE: "process",
+            OPERATION_NAME: "process",
+            DESTINATION: event.type,
+            MESSAGE_ID: str(event.id),
+            CONSUMER_GROUP: consumer,
+            ATTEMPT: attempt,
+        }
+        if event.correlation_id is not None:
+            attributes[CONVERSATION_ID] = event.correlation_id
+        span = _tracer().start_span(
+            f"process {event.type}",
+            context=None
+            if parent is None
+            else trace.set_span_in_context(trace.NonRecordingSpan(parent)),
+            kind=SpanKind.CONSUMER,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
+        )
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield span
+    except BaseException as exc:
+        _fail(span, exc)
+        raise
+    finally:
+        span.end()
+        otel_context.detach(token)
 
 
 def mark_duplicate(span: Span) -> None:

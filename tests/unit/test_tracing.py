@@ -197,3 +197,69 @@ def test_otlp_http_export_reaches_a_collector(otlp_collector):
     names = [s.name for scope in resource_spans.scope_spans for s in scope.spans]
     assert names == ["create order.placed"]
     assert b"hunter2" not in body
+
+
+def test_without_a_provider_a_process_span_hands_the_creation_context_to_follow_ups():
+    result = run(
+        """
+        import uuid
+        from opentelemetry import trace
+        from pipeline.envelope import ReceivedEvent
+        from pipeline.observability import tracing
+        incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+        event = ReceivedEvent(id=uuid.uuid4(), type="a", version=1, data={}, source="s",
+                              time="", seq=1, traceparent=incoming, tracestate="k=v")
+        with tracing.process_span(event, "c", 1) as span:
+            assert not span.is_recording()
+            assert trace.get_current_span() is span
+            stored = headers()
+        assert stored["traceparent"] == incoming, stored
+        assert stored["tracestate"] == "k=v", stored
+        assert "traceparent" not in headers()  # detached again after the block
+        plain = ReceivedEvent(id=uuid.uuid4(), type="a", version=1, data={}, source="s",
+                              time="", seq=1)
+        try:
+            with tracing.process_span(plain, "c", 1):
+                raise KeyError("handler failed")
+        except KeyError:
+            print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+TRACEPARENTS = [
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00",
+    " 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01 ",
+    "01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-future",  # later versions may add
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01-extra",  # version 00 may not
+    "ff-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01",
+    "00-00000000000000000000000000000000-b7ad6b7169203331-01",
+    "00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01",
+    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b716920333-01",
+    "00-+af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    "garbage",
+    "",
+]
+
+
+@pytest.mark.parametrize("traceparent", TRACEPARENTS)
+def test_stored_traceparents_are_read_as_opentelemetrys_propagator_reads_them(traceparent: str):
+    from opentelemetry import trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    from pipeline.observability.tracing import remote_span_context
+
+    carrier = {"traceparent": traceparent, "tracestate": "k=v,a=b"}
+    expected = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier))
+    expected_context = expected.get_span_context()
+    ours = remote_span_context(traceparent, "k=v,a=b")
+    if not expected_context.is_valid:
+        assert ours is None
+    else:
+        assert ours == expected_context
+        assert ours.is_remote and ours.trace_flags == expected_context.trace_flags
+        assert dict(ours.trace_state) == {"k": "v", "a": "b"}
