@@ -309,8 +309,8 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
         _fail(span, exc)
         raise
     finally:
+        otel_context.detach(token)  # before end(), as start_as_current_span does
         span.end()
-        otel_context.detach(token)
 
 
 def mark_duplicate(span: Span) -> None:
