@@ -35,6 +35,7 @@ import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import Token
 from typing import TYPE_CHECKING
 
 from opentelemetry import context as otel_context
@@ -218,13 +219,7 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
         links=links or None,
         context=_single_trace_parent(links),
     )
-    try:
-        yield span
-    except BaseException as exc:
-        _fail(span, exc)
-        raise
-    finally:
-        span.end()
+    yield from _ended_on_exit(span)
 
 
 def record_send_outcome(span: Span, outcome: BaseException | None) -> None:
@@ -302,14 +297,24 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
             record_exception=False,
             set_status_on_exception=False,
         )
-    token = otel_context.attach(trace.set_span_in_context(span))
+    yield from _ended_on_exit(span, otel_context.attach(trace.set_span_in_context(span)))
+
+
+def _ended_on_exit(span: Span, token: Token[otel_context.Context] | None = None) -> Iterator[Span]:
+    """Yield ``span``; an exception marks it failed (by class) and propagates; then end it.
+
+    ``token`` is the attach that made the span current: it is detached first, in the order
+    ``start_as_current_span`` uses. Delegated to with ``yield from`` (no extra context
+    manager layer on the per-event path).
+    """
     try:
         yield span
     except BaseException as exc:
         _fail(span, exc)
         raise
     finally:
-        otel_context.detach(token)  # before end(), as start_as_current_span does
+        if token is not None:
+            otel_context.detach(token)
         span.end()
 
 
