@@ -18,12 +18,20 @@ removed, instead of being stuck in the consumer's un-acked set.
 from __future__ import annotations
 
 import logging
+import random
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
-from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
+from dramatiq.broker import MessageProxy
+from dramatiq.brokers.redis import (
+    MAINTENANCE_COMMAND_BLACKLIST,
+    MAINTENANCE_SCALE,
+    RedisBroker,
+    _RedisConsumer,
+)
 from dramatiq.common import compute_backoff
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
@@ -45,6 +53,9 @@ UndecodableSink = Callable[[str, bytes, str], None]
 
 SWEEP_INTERVAL = 1.0
 """Seconds between fetches of a consumer that no wake-up has called for."""
+SWEEP_MAINTENANCE_FACTOR = 10
+"""A sweep replaces about ten fetches of Dramatiq's consumer (``worker_timeout`` 100 ms)."""
+_sweep = threading.local()  # .active: the current thread's fetch is a sweep
 
 
 def wake_key(namespace: str, queue_name: str) -> str:
@@ -76,26 +87,30 @@ class WakeableRedisConsumer(_RedisConsumer):
                     self._discard_undecodable(data, f"undecodable message: {exc}")
                     continue
                 self.queued_message_ids.add(message.message_id)
-                from dramatiq.broker import MessageProxy
-
                 return MessageProxy(message)
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
     _drained = False  # the last fetch got fewer messages than it asked for
     _last_fetch = 0.0  # monotonic time of the last fetch
+    _timed_out = False  # the last wait on the wake-up list ended without a wake-up
 
     def _fetch(self) -> bool:
         messages: list[Any] = []
         wanted = self.prefetch - self.outstanding_message_count
         if wanted > 0 and not self._drained:
             self._last_fetch = time.monotonic()
-            self.message_cache = messages = self.broker.do_fetch(self.queue_name, wanted)
+            _sweep.active = self._timed_out
+            try:
+                self.message_cache = messages = self.broker.do_fetch(self.queue_name, wanted)
+            finally:
+                _sweep.active = False
         if messages:
             # A short fetch emptied the queue: wait on the wake-up list next instead of
             # asking again (anything enqueued after this fetch pushed a wake-up after it,
-            # so the wait returns at once for it). A full one may have left a backlog.
-            self._drained = len(messages) < wanted
+            # so the wait returns at once for it). A full one, or one Dramatiq's script cut
+            # at its unpack limit, may have left a backlog: others are woken for it.
+            self._drained = len(messages) < min(wanted, self.broker._max_unpack_size())
             if not self._drained:
                 self.broker.wake(self.queue_name)
             return True
@@ -105,10 +120,16 @@ class WakeableRedisConsumer(_RedisConsumer):
             self._drained = False
             return False
         woken = self.broker.client.blpop(
-            [wake_key(self.broker.namespace, self.queue_name)], self.timeout / 1000
+            [wake_key(self.broker.namespace, self.queue_name)], max(self.timeout / 1000, 0.01)
         )
+        self._timed_out = woken is None
         self._drained = woken is None and time.monotonic() - self._last_fetch < SWEEP_INTERVAL
         return False
+
+    def requeue(self, messages: Iterable[MessageProxy]) -> None:
+        """Dramatiq's requeue (a stopping worker's unprocessed messages), then a wake-up."""
+        super().requeue(messages)  # type: ignore[no-untyped-call]
+        self.broker.wake(self.queue_name)
 
     def _discard_undecodable(self, data: bytes, reason: str) -> None:
         """Hand the raw bytes to the sink, then remove them from Redis (they can never run)."""
@@ -135,12 +156,37 @@ class PipelineRedisBroker(RedisBroker):
         return enqueued
 
     def wake(self, queue_name: str) -> None:
-        """Leave one wake-up on the queue's list (a list of at most one: wake-ups fold)."""
+        """Leave one wake-up on the queue's list (a list of at most one: wake-ups fold).
+
+        Best effort: the message is already queued, and a consumer's sweep finds it
+        within a second even if this fails (raising would make a caller send it again).
+        """
         key = wake_key(self.namespace, queue_name)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.lpush(key, "1")
-        pipe.ltrim(key, 0, 0)
-        pipe.execute()
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.lpush(key, "1")
+            pipe.ltrim(key, 0, 0)
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.warning(
+                "could not push a wake-up; consumers find the message on their next sweep",
+                extra={"queue": queue_name, "error_class": type(exc).__name__},
+            )
+
+    def _should_do_maintenance(self, command: str) -> int:
+        """Dramatiq's chance per command, times ``SWEEP_MAINTENANCE_FACTOR`` for a sweep.
+
+        Maintenance (requeueing the un-acked messages of dead workers) rides on fetches
+        at random. An idle consumer sweeps once a second instead of fetching after every
+        ``worker_timeout``, so its sweep carries the chance of the fetches it replaces.
+        """
+        chance = self.maintenance_chance
+        if getattr(_sweep, "active", False):
+            chance = min(chance * SWEEP_MAINTENANCE_FACTOR, MAINTENANCE_SCALE)
+        return int(
+            command not in MAINTENANCE_COMMAND_BLACKLIST
+            and random.randint(1, MAINTENANCE_SCALE) <= chance
+        )
 
 
 def make_broker(settings: Settings, middleware: list[Any] | None = None) -> PipelineRedisBroker:

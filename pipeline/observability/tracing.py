@@ -100,15 +100,17 @@ def span_headers(span: Span) -> dict[str, str]:
 # W3C trace-context ``traceparent``: what OpenTelemetry's propagator accepts, parsed here
 # because it runs once per handled event (the propagator's carrier plumbing costs more).
 _TRACEPARENT = re.compile(
-    r"^\s*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?\s*$"
+    r"^[ \t]*([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(?:(-.*)|[ \t]*)$"
 )
+TRACEPARENT_MAX_LENGTH = 512
+TRACESTATE_MAX_LENGTH = 8192
 
 
 def remote_span_context(
     traceparent: str | None, tracestate: str | None = None
 ) -> trace.SpanContext | None:
     """The remote span context a ``traceparent`` names, or ``None`` for none (or junk)."""
-    if not traceparent:
+    if not traceparent or len(traceparent) > TRACEPARENT_MAX_LENGTH:
         return None
     match = _TRACEPARENT.match(traceparent)
     if match is None:
@@ -124,7 +126,11 @@ def remote_span_context(
         span_id,
         is_remote=True,
         trace_flags=trace.TraceFlags(int(flags, 16)),
-        trace_state=TraceState.from_header([tracestate]) if tracestate else None,
+        trace_state=(
+            TraceState.from_header([tracestate])
+            if tracestate and len(tracestate) <= TRACESTATE_MAX_LENGTH
+            else None
+        ),
     )
 
 
@@ -135,7 +141,7 @@ def extract_context(
     span_context = remote_span_context(traceparent, tracestate)
     if span_context is None:
         return None
-    return trace.set_span_in_context(trace.NonRecordingSpan(span_context))
+    return trace.set_span_in_context(trace.NonRecordingSpan(span_context), otel_context.Context())
 
 
 def headers_span_context(headers: Mapping[str, str]) -> trace.SpanContext | None:
@@ -271,10 +277,8 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
     """
     parent = remote_span_context(event.traceparent, event.tracestate)
     if not _links_wanted():  # no SDK: nothing is recorded, the context still travels
-        if parent is None:
-            yield trace.get_current_span()
-            return
-        span: Span = trace.NonRecordingSpan(parent)
+        current = trace.get_current_span().get_span_context()
+        span: Span = trace.NonRecordingSpan(parent if parent is not None else current)
     else:
         attributes: dict[str, str | int] = {
             SYSTEM: MESSAGING_SYSTEM,

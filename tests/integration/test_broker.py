@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 from dramatiq.message import Message
 
 from pipeline import broker as broker_module
@@ -114,3 +115,70 @@ def test_a_full_fetch_passes_a_wake_up_on_to_the_next_consumer(broker):
         assert broker.client.lrange(wake_key(broker.namespace, QUEUE), 0, -1) == [b"1"]
     finally:
         consumer.close()
+
+
+def test_a_fetch_cut_at_dramatiqs_unpack_limit_passes_a_wake_up_on(broker, monkeypatch):
+    """Dramatiq's script returns at most its unpack limit: that is not an empty queue."""
+    for n in range(5):
+        broker.do_enqueue(QUEUE, f"id-{n}", Message(QUEUE, "noop", (n,), {}, {}).encode())
+    monkeypatch.setattr(broker, "_max_unpack_size", lambda: 3)
+    calls = count_calls(broker)
+    consumer = broker.consume(QUEUE, prefetch=10, timeout=1000)
+    try:
+        next_message(consumer)
+        assert calls == ["fetch", "wake"]  # 3 of 10 asked for, but cut at the limit of 3
+        for _ in range(2):
+            next_message(consumer)
+        assert next_message(consumer).args in {(3,), (4,)}  # fetched again, no sweep wait
+        assert calls.count("blpop timed out") == 0, calls
+    finally:
+        consumer.close()
+
+
+def test_a_sweep_carries_the_maintenance_chance_of_the_fetches_it_replaces(broker):
+    """Maintenance (requeueing dead workers' messages) rides on fetches at random."""
+    flags: list[tuple[str, int]] = []
+    dispatch = broker.scripts["dispatch"]
+
+    def recording(args: list[Any], keys: list[str]) -> Any:
+        flags.append((args[0], args[6]))  # command, do_maintenance
+        return dispatch(args=args, keys=keys)
+
+    broker.scripts["dispatch"] = recording
+    broker.maintenance_chance = 100_000  # 10 % per fetch; a sweep: x10 = always
+    consumer = broker.consume(QUEUE, prefetch=4, timeout=100)
+    try:
+        deadline = time.monotonic() + 10
+        while sum(1 for command, _ in flags if command == "fetch") < 4:
+            assert time.monotonic() < deadline, flags
+            next(consumer)
+        fetches = [flag for command, flag in flags if command == "fetch"]
+        assert fetches[1:] == [1] * (len(fetches) - 1), fetches  # every sweep after the first
+    finally:
+        consumer.close()
+
+
+def test_a_wake_up_that_cannot_be_pushed_does_not_fail_the_enqueue(broker, caplog):
+    def broken_pipeline(*args: Any, **kwargs: Any) -> Any:
+        raise redis.ConnectionError("Redis went away")
+
+    original = broker.client.pipeline
+    broker.client.pipeline = broken_pipeline
+    try:
+        message = broker.enqueue(Message(QUEUE, "noop", (1,), {}, {}))
+    finally:
+        broker.client.pipeline = original
+    assert message.args == (1,)
+    assert broker.client.llen(f"{broker.namespace}:{QUEUE}") == 1  # queued all the same
+    assert "could not push a wake-up" in caplog.text
+
+
+def test_messages_a_stopping_consumer_puts_back_wake_the_others(broker):
+    for n in range(3):
+        broker.enqueue(Message(QUEUE, "noop", (n,), {}, {}))
+    stopping = broker.consume(QUEUE, prefetch=4, timeout=100)
+    first = next_message(stopping)
+    broker.client.delete(wake_key(broker.namespace, QUEUE))
+    stopping.requeue([first])
+    assert broker.client.lrange(wake_key(broker.namespace, QUEUE), 0, -1) == [b"1"]
+    stopping.close()
