@@ -180,9 +180,9 @@ class PipelineRedisBroker(RedisBroker):
         at random. An idle consumer sweeps once a second instead of fetching after every
         ``worker_timeout``, so its sweep carries the chance of the fetches it replaces.
         """
-        chance = self.maintenance_chance
-        if getattr(_sweep, "active", False):
-            chance = min(chance * SWEEP_MAINTENANCE_FACTOR, MAINTENANCE_SCALE)
+        if not getattr(_sweep, "active", False):
+            return super()._should_do_maintenance(command)
+        chance = min(self.maintenance_chance * SWEEP_MAINTENANCE_FACTOR, MAINTENANCE_SCALE)
         return int(
             command not in MAINTENANCE_COMMAND_BLACKLIST
             and random.randint(1, MAINTENANCE_SCALE) <= chance

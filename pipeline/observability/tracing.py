@@ -139,8 +139,11 @@ def extract_context(
 ) -> otel_context.Context | None:
     """The remote context stored with a message, or ``None`` when it carries none (or junk)."""
     span_context = remote_span_context(traceparent, tracestate)
-    if span_context is None:
-        return None
+    return None if span_context is None else _remote_parent(span_context)
+
+
+def _remote_parent(span_context: trace.SpanContext) -> otel_context.Context:
+    """A context holding only ``span_context``, for parenting a span on a stored context."""
     return trace.set_span_in_context(trace.NonRecordingSpan(span_context), otel_context.Context())
 
 
@@ -293,9 +296,7 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
             attributes[CONVERSATION_ID] = event.correlation_id
         span = _tracer().start_span(
             f"process {event.type}",
-            context=None
-            if parent is None
-            else trace.set_span_in_context(trace.NonRecordingSpan(parent)),
+            context=None if parent is None else _remote_parent(parent),
             kind=SpanKind.CONSUMER,
             attributes=attributes,
             record_exception=False,
