@@ -4,12 +4,12 @@
 consumer blocks on a per-queue wake-up list instead of sleeping up to
 ``worker_timeout``, so an idle pipeline delivers at once without polling Redis hard.
 Every enqueue pushes a wake-up (the relay's publisher with each batch, this broker
-for Dramatiq's own enqueues), so a consumer whose wait timed out has nothing to fetch
-and only sweeps the queue once a second (for messages requeued by Dramatiq's
-maintenance, and to keep its heartbeat fresh). One wake-up wakes one consumer; one
-whose fetch came back full passes a wake-up on, so others join in on a backlog.
-Without this, every consumer whose short wait had expired woke on the next Redis
-command and fetched at once, and each delivery set off a herd of empty fetches.
+for Dramatiq's own enqueues). The wait and the fetch after it travel in one pipeline:
+Redis runs the fetch the moment the wait ends, so a wake-up costs no second round
+trip, and a wait that timed out still fetches (messages requeued by Dramatiq's
+maintenance carry no wake-up) and keeps the heartbeat fresh. One wake-up wakes one
+consumer; one whose fetch came back full passes a wake-up on, so others join in on a
+backlog.
 
 Undecodable messages are handed to :attr:`PipelineRedisBroker.undecodable_sink` and
 removed, instead of being stuck in the consumer's un-acked set.
@@ -18,21 +18,14 @@ removed, instead of being stuck in the consumer's un-acked set.
 from __future__ import annotations
 
 import logging
-import random
-import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import redis
 from dramatiq.broker import MessageProxy
-from dramatiq.brokers.redis import (
-    MAINTENANCE_COMMAND_BLACKLIST,
-    MAINTENANCE_SCALE,
-    RedisBroker,
-    _RedisConsumer,
-)
-from dramatiq.common import compute_backoff
+from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
+from dramatiq.common import compute_backoff, current_millis
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
 from dramatiq.middleware import (
@@ -49,13 +42,6 @@ log = logging.getLogger("pipeline.broker")
 
 UndecodableSink = Callable[[str, bytes, str], None]
 """Called with (queue name, raw message bytes, reason) for a message that is not decodable."""
-
-
-SWEEP_INTERVAL = 1.0
-"""Seconds between fetches of a consumer that no wake-up has called for."""
-SWEEP_MAINTENANCE_FACTOR = 10
-"""A sweep replaces about ten fetches of Dramatiq's consumer (``worker_timeout`` 100 ms)."""
-_sweep = threading.local()  # .active: the current thread's fetch is a sweep
 
 
 def wake_key(namespace: str, queue_name: str) -> str:
@@ -91,40 +77,25 @@ class WakeableRedisConsumer(_RedisConsumer):
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
-    _drained = False  # the last fetch got fewer messages than it asked for
-    _last_fetch = 0.0  # monotonic time of the last fetch
-    _timed_out = False  # the last wait on the wake-up list ended without a wake-up
+    _drained = False  # the last fetch got fewer messages than it asked for: the queue is empty
 
     def _fetch(self) -> bool:
-        messages: list[Any] = []
         wanted = self.prefetch - self.outstanding_message_count
-        if wanted > 0 and not self._drained:
-            self._last_fetch = time.monotonic()
-            _sweep.active = self._timed_out
-            try:
-                self.message_cache = messages = self.broker.do_fetch(self.queue_name, wanted)
-            finally:
-                _sweep.active = False
-        if messages:
-            # A short fetch emptied the queue: wait on the wake-up list next instead of
-            # asking again (anything enqueued after this fetch pushed a wake-up after it,
-            # so the wait returns at once for it). A full one, or one Dramatiq's script cut
-            # at its unpack limit, may have left a backlog: others are woken for it.
-            self._drained = len(messages) < min(wanted, self.broker._max_unpack_size())
-            if not self._drained:
-                self.broker.wake(self.queue_name)
-            return True
-        if self.outstanding_message_count >= self.prefetch:  # enough in hand: back off
+        if wanted <= 0:  # enough in hand: back off
             self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
             time.sleep(backoff_ms / 1000)
-            self._drained = False
             return False
-        woken = self.broker.client.blpop(
-            [wake_key(self.broker.namespace, self.queue_name)], max(self.timeout / 1000, 0.01)
-        )
-        self._timed_out = woken is None
-        self._drained = woken is None and time.monotonic() - self._last_fetch < SWEEP_INTERVAL
-        return False
+        if self._drained:  # anything enqueued since the last fetch pushed a wake-up after it
+            messages = self.broker.wait_and_fetch(self.queue_name, wanted, self.timeout)
+        else:
+            messages = self.broker.do_fetch(self.queue_name, wanted)
+        self.message_cache = messages
+        # A full fetch, or one Dramatiq's script cut at its unpack limit, may have left a
+        # backlog: fetch again without waiting, and wake another consumer for it.
+        self._drained = len(messages) < min(wanted, self.broker._max_unpack_size())
+        if not self._drained:
+            self.broker.wake(self.queue_name)
+        return bool(messages)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Dramatiq's requeue (a stopping worker's unprocessed messages), then a wake-up."""
@@ -158,8 +129,9 @@ class PipelineRedisBroker(RedisBroker):
     def wake(self, queue_name: str) -> None:
         """Leave one wake-up on the queue's list (a list of at most one: wake-ups fold).
 
-        Best effort: the message is already queued, and a consumer's sweep finds it
-        within a second even if this fails (raising would make a caller send it again).
+        Best effort: the message is already queued, and an idle consumer's next wait ends
+        with a fetch within ``worker_timeout`` even if this fails (raising would make a
+        caller send it again).
         """
         key = wake_key(self.namespace, queue_name)
         try:
@@ -169,24 +141,37 @@ class PipelineRedisBroker(RedisBroker):
             pipe.execute()
         except redis.RedisError as exc:
             log.warning(
-                "could not push a wake-up; consumers find the message on their next sweep",
+                "could not push a wake-up; consumers find the message after their next wait",
                 extra={"queue": queue_name, "error_class": type(exc).__name__},
             )
 
-    def _should_do_maintenance(self, command: str) -> int:
-        """Dramatiq's chance per command, times ``SWEEP_MAINTENANCE_FACTOR`` for a sweep.
+    def wait_and_fetch(self, queue_name: str, wanted: int, timeout_ms: int) -> list[Any]:
+        """Wait up to ``timeout_ms`` for a wake-up, then fetch up to ``wanted`` messages.
 
-        Maintenance (requeueing the un-acked messages of dead workers) rides on fetches
-        at random. An idle consumer sweeps once a second instead of fetching after every
-        ``worker_timeout``, so its sweep carries the chance of the fetches it replaces.
+        One round trip: the wait and Dramatiq's fetch script go in one pipeline, and Redis
+        runs the fetch as soon as the wait ends, woken or not. The fetch's timestamp (its
+        heartbeat) is taken before the wait, at most ``timeout_ms`` early, far inside the
+        heartbeat timeout.
         """
-        if not getattr(_sweep, "active", False):
-            return super()._should_do_maintenance(command)
-        chance = min(self.maintenance_chance * SWEEP_MAINTENANCE_FACTOR, MAINTENANCE_SCALE)
-        return int(
-            command not in MAINTENANCE_COMMAND_BLACKLIST
-            and random.randint(1, MAINTENANCE_SCALE) <= chance
-        )
+        fetch = [  # the arguments Dramatiq's do_fetch passes its dispatch script
+            "fetch",
+            current_millis(),
+            queue_name,
+            self.broker_id,
+            self.heartbeat_timeout,
+            self.dead_message_ttl,
+            self._should_do_maintenance("fetch"),
+            self._max_unpack_size(),  # type: ignore[no-untyped-call]
+            wanted,
+        ]
+        pipe = self.client.pipeline(transaction=False)
+        pipe.blpop([wake_key(self.namespace, queue_name)], max(timeout_ms / 1000, 0.01))
+        pipe.evalsha(self.scripts["dispatch"].sha, 1, self.namespace, *fetch)
+        try:
+            _, messages = pipe.execute()
+        except redis.exceptions.NoScriptError:  # Redis lost its scripts: this call loads them
+            messages = self.do_fetch(queue_name, wanted)
+        return list(messages)
 
 
 def make_broker(settings: Settings, middleware: list[Any] | None = None) -> PipelineRedisBroker:

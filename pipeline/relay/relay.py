@@ -4,13 +4,15 @@ Loop states:
 
 * **idle** — blocks until a notification, a reconnect, or the adaptive poll timer
   (fast after it found work, doubling up to ``poll_interval_max`` when idle);
-* **busy** — while it keeps finding work it polls every ``poll_interval_busy`` and
+* **busy** — when work arrives faster than one wake-up per ``poll_interval_busy`` (or
+  a batch comes back full) it polls every ``poll_interval_busy`` instead and
   advertises itself as busy in ``relay_state``, so producers skip NOTIFY and its
-  database-wide commit lock;
+  database-wide commit lock; below that rate a NOTIFY wakes it sooner than a poll
+  would, for less work;
 * **hand-off** — when a busy relay finds nothing it clears the flag, then keeps
   polling until every transaction that could have seen the flag set has ended
   (snapshot ``xmin`` passes the ``xmax`` taken after the flip), so no event committed
-  during the switch waits for a poll.
+  during the switch waits for a poll; a NOTIFY cuts each of those polls' waits short.
 
 Publishing is done inline (the fewest hops on the idle path) and, when a batch comes
 back full, also by up to ``publishers_in_flight`` Dramatiq publishing actors that
@@ -26,6 +28,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -46,6 +49,8 @@ log = logging.getLogger("pipeline.relay")
 Mode = Literal["auto", "inline", "workers"]
 HEARTBEAT_INTERVAL = 1.0
 HANDOFF_LIMIT = 2.0
+BUSY_AFTER_CYCLES = 8
+"""Productive cycles that must fall within ``BUSY_AFTER_CYCLES * poll_interval_busy``."""
 
 
 class Waker:
@@ -97,6 +102,7 @@ class Relay:
         self.stop = threading.Event()
         self.listener: Listener | None = None
         self.busy = False
+        self.busy_spells = 0  # times the relay went busy
         self._last_heartbeat = 0.0
         self._conn: psycopg.Connection[Any] | None = None
         self.cycles = 0
@@ -146,7 +152,7 @@ class Relay:
         conn = self._connection()
         drainer = Drainer(self.settings, self.publisher, self.registry, self.relay_id, conn)
         interval = self.settings.poll_interval_min
-        found_last_cycle = False
+        productive: deque[float] = deque(maxlen=BUSY_AFTER_CYCLES)  # when cycles found work
         self._set_busy(conn, False, force=True)
         while not self.stop.is_set():
             timeout = self.settings.poll_interval_busy if self.busy else interval
@@ -161,21 +167,28 @@ class Relay:
             found, backlog = self._cycle(drainer)
             if found:
                 interval = self.settings.poll_interval_min
-                # Busy only for sustained work: an isolated event keeps the relay on the
-                # NOTIFY path, which wakes it sooner than the busy poll would.
-                if backlog or found_last_cycle:
+                productive.append(time.monotonic())
+                if backlog or self._fast(productive):
                     self._set_busy(conn, True)
-                found_last_cycle = True
                 if backlog and self.mode != "inline" and self.dispatch is not None:
                     self.dispatch()
                 continue
-            found_last_cycle = False
+            productive.clear()
             if self.busy:
                 self._hand_off(conn, drainer)
             elif conn.execute(self.queries["has_due_work"]).fetchone() == (True,):
                 interval = self.settings.poll_interval_min  # due but held back: look again soon
             else:
                 interval = min(interval * 2, self.settings.poll_interval_max)
+
+    def _fast(self, productive: deque[float]) -> bool:
+        """Whether work arrived faster than one wake-up per ``poll_interval_busy``.
+
+        Below that rate a poll would find nothing most of the time, and each NOTIFY
+        wakes the relay sooner than the next poll would.
+        """
+        window = BUSY_AFTER_CYCLES * self.settings.poll_interval_busy
+        return len(productive) == BUSY_AFTER_CYCLES and productive[-1] - productive[0] < window
 
     def _cycle(self, drainer: Drainer) -> tuple[int, bool]:
         """Publish what is due; returns (events found, whether a backlog remains)."""
@@ -201,13 +214,17 @@ class Relay:
         row = conn.execute(self.queries["snapshot_xmax"]).fetchone()
         xmax = row[0] if row else "0"
         deadline = time.monotonic() + HANDOFF_LIMIT
+        reconnected = False
         while not self.stop.is_set() and time.monotonic() < deadline:
             passed = conn.execute(self.queries["horizon_passed"], {"xmax": xmax}).fetchone()
             if passed == (True,):
                 break
             drainer.run_batch()
-            time.sleep(self.settings.poll_interval_busy)
+            # Producers NOTIFY again already: one that does ends this wait at once.
+            reconnected |= self.waker.wait(self.settings.poll_interval_busy) == "reconnect"
         drainer.run_batch()
+        if reconnected:  # the LISTEN connection came back: its catch-up sweep is still due
+            self.waker("reconnect")
 
     # -- state -----------------------------------------------------------------------------
     def _set_busy(self, conn: psycopg.Connection[Any], busy: bool, force: bool = False) -> None:
@@ -223,6 +240,7 @@ class Relay:
                 "pid": os.getpid(),
             },
         )
+        self.busy_spells += busy and not self.busy
         self.busy = busy
         self._last_heartbeat = now
 

@@ -11,7 +11,6 @@ import pytest
 import redis
 from dramatiq.message import Message
 
-from pipeline import broker as broker_module
 from pipeline.broker import PipelineRedisBroker, make_broker, wake_key
 
 QUEUE = "wake_test"
@@ -26,24 +25,25 @@ def broker(settings: Any) -> Iterator[PipelineRedisBroker]:
 
 
 def count_calls(broker: PipelineRedisBroker) -> list[str]:
-    """Record the consumer's Redis calls: fetches, waits on the wake-up list, wake-ups."""
+    """Record the consumer's Redis calls: plain fetches, waits (each with a fetch), wake-ups."""
     calls: list[str] = []
-    fetch, blpop, wake = broker.do_fetch, broker.client.blpop, broker.wake
+    fetch, wait_and_fetch, wake = broker.do_fetch, broker.wait_and_fetch, broker.wake
 
     def counted_fetch(*args: Any, **kwargs: Any) -> Any:
         calls.append("fetch")
         return fetch(*args, **kwargs)
 
-    def counted_blpop(*args: Any, **kwargs: Any) -> Any:
-        result = blpop(*args, **kwargs)
-        calls.append("blpop" if result is not None else "blpop timed out")
-        return result
+    def counted_wait(*args: Any, **kwargs: Any) -> Any:
+        waits = broker.client.llen(wake_key(broker.namespace, QUEUE))
+        messages = wait_and_fetch(*args, **kwargs)
+        calls.append(f"wait ({'woken' if waits else 'no wake-up'}) + fetch of {len(messages)}")
+        return messages
 
     def counted_wake(queue_name: str) -> None:
         calls.append("wake")
         wake(queue_name)
 
-    broker.do_fetch, broker.client.blpop, broker.wake = counted_fetch, counted_blpop, counted_wake  # type: ignore[method-assign]
+    broker.do_fetch, broker.wait_and_fetch, broker.wake = counted_fetch, counted_wait, counted_wake  # type: ignore[method-assign]
     return calls
 
 
@@ -74,32 +74,55 @@ def test_a_short_fetch_waits_on_the_wake_up_list_and_an_enqueue_wakes_it(broker)
         assert second.args == (2,)
         # The first wait may find the first message's wake-up still there (the fetch took
         # the message before it was popped): one empty fetch. Then it waits on the list, and
-        # the next enqueue's wake-up ends the wait.
-        assert calls[-3:] == ["wake", "blpop", "fetch"], calls
-        assert calls.count("fetch") <= 2, calls
+        # the next enqueue's wake-up ends the wait, whose fetch brings the message.
+        assert calls[-2:] == ["wake", "wait (no wake-up) + fetch of 1"], calls
+        assert "fetch" not in calls, calls  # no plain fetch: every one followed a wait
+        assert len(calls) <= 3, calls
     finally:
         consumer.close()
 
 
-def test_a_wait_that_times_out_does_not_fetch_until_the_sweep_is_due(broker, monkeypatch):
-    monkeypatch.setattr(broker_module, "SWEEP_INTERVAL", 0.5)
+def test_a_wait_and_its_fetch_are_one_round_trip(broker):
+    """Redis runs the fetch when the wait ends: a wake-up costs no second round trip."""
+    sent: list[list[str]] = []
+    pipeline = broker.client.pipeline
+
+    def recording_pipeline(*args: Any, **kwargs: Any) -> Any:
+        pipe = pipeline(*args, **kwargs)
+        execute = pipe.execute
+
+        def recording_execute(*a: Any, **k: Any) -> Any:
+            sent.append([str(command[0][0]) for command in pipe.command_stack])
+            return execute(*a, **k)
+
+        pipe.execute = recording_execute
+        return pipe
+
+    broker.client.pipeline = recording_pipeline  # type: ignore[method-assign]
+    broker.do_enqueue(QUEUE, "raw-id", Message(QUEUE, "noop", (7,), {}, {}).encode())
+    broker.client.lpush(wake_key(broker.namespace, QUEUE), "1")
+
+    messages = broker.wait_and_fetch(QUEUE, 4, 1000)
+
+    assert [Message.decode(m).args for m in messages] == [(7,)]
+    assert sent == [["BLPOP", "EVALSHA"]]
+    assert broker.client.llen(wake_key(broker.namespace, QUEUE)) == 0  # the wake-up was used
+
+
+def test_a_wait_that_times_out_still_fetches_what_came_without_a_wake_up(broker):
+    """Dramatiq's maintenance requeues a dead worker's messages without a wake-up."""
     calls = count_calls(broker)
     consumer = broker.consume(QUEUE, prefetch=4, timeout=100)
     try:
-        started = time.monotonic()
-        assert next(consumer) is None  # the first call always fetches
-        while time.monotonic() - started < 0.35:
-            assert next(consumer) is None
-        assert calls[0] == "fetch"
-        assert calls.count("fetch") == 1, calls  # timed-out waits, no fetch between them
-        assert calls.count("blpop timed out") >= 2, calls
-
-        # A message that arrived without a wake-up (Dramatiq's maintenance requeues one so)
-        # is found by the sweep.
+        assert next(consumer) is None  # the first call fetches; the queue is empty
+        assert next(consumer) is None  # a wait that times out, and an empty fetch
         broker.do_enqueue(QUEUE, "raw-id", Message(QUEUE, "noop", (3,), {}, {}).encode())
         message = next_message(consumer)
         assert message.args == (3,)
-        assert time.monotonic() - started >= 0.5
+        assert calls[0] == "fetch"
+        assert calls[1] == "wait (no wake-up) + fetch of 0"
+        assert calls[-1] == "wait (no wake-up) + fetch of 1", calls
+        assert calls.count("fetch") == 1, calls
     finally:
         consumer.close()
 
@@ -135,27 +158,29 @@ def test_a_fetch_cut_at_dramatiqs_unpack_limit_passes_a_wake_up_on(broker, monke
         consumer.close()
 
 
-def test_a_sweep_carries_the_maintenance_chance_of_the_fetches_it_replaces(broker):
-    """Maintenance (requeueing dead workers' messages) rides on fetches at random."""
-    flags: list[tuple[str, int]] = []
-    dispatch = broker.scripts["dispatch"]
+def test_an_idle_consumers_waits_requeue_a_dead_workers_messages(broker, settings):
+    """Maintenance rides on fetches at random; an idle consumer's waits each carry one."""
+    dead = make_broker(settings)
+    dead.declare_queue(QUEUE)
+    dead.enqueue(Message(QUEUE, "noop", (9,), {}, {}))
+    dead_consumer = dead.consume(QUEUE, prefetch=1, timeout=100)
+    assert next_message(dead_consumer).args == (9,)  # fetched, never acked: then it dies
+    dead.client.zadd(f"{dead.namespace}:__heartbeats__", {dead.broker_id: 0})
+    broker.client.delete(wake_key(broker.namespace, QUEUE))  # the requeue pushes none
 
-    def recording(args: list[Any], keys: list[str]) -> Any:
-        flags.append((args[0], args[6]))  # command, do_maintenance
-        return dispatch(args=args, keys=keys)
-
-    broker.scripts["dispatch"] = recording
-    broker.maintenance_chance = 100_000  # 10 % per fetch; a sweep: x10 = always
+    calls = count_calls(broker)
+    broker.maintenance_chance = 0
     consumer = broker.consume(QUEUE, prefetch=4, timeout=100)
     try:
-        deadline = time.monotonic() + 10
-        while sum(1 for command, _ in flags if command == "fetch") < 4:
-            assert time.monotonic() < deadline, flags
-            next(consumer)
-        fetches = [flag for command, flag in flags if command == "fetch"]
-        assert fetches[1:] == [1] * (len(fetches) - 1), fetches  # every sweep after the first
+        assert next(consumer) is None  # the queue is empty: the next call waits
+        broker.maintenance_chance = 1_000_000  # every fetch from now on does maintenance
+        message = next_message(consumer)
+        assert message.args == (9,)
+        assert calls[0] == "fetch"
+        assert calls[-1] == "wait (no wake-up) + fetch of 1", calls
     finally:
         consumer.close()
+        dead.close()
 
 
 def test_a_wake_up_that_cannot_be_pushed_does_not_fail_the_enqueue(broker, caplog):

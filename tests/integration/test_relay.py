@@ -252,6 +252,31 @@ def test_busy_relay_suppresses_notify_and_hands_off_when_idle(engine, runtime, c
     conn.close()
 
 
+def test_a_slow_stream_keeps_the_relay_on_notify_and_a_fast_one_makes_it_busy(
+    engine, runtime, consumers
+):
+    """Busy polling pays off only above one wake-up per ``poll_interval_busy`` (200/s)."""
+    with running_relay(runtime, consumers, mode="inline") as relay:
+        time.sleep(0.3)  # let the start-up sweep finish; the relay is now idle
+        for n in range(20):  # 50 transactions/s: every one NOTIFYs, every one is found
+            produce(engine, [NewEvent("order.placed", {"n": n})])
+            time.sleep(0.02)
+        wait_until(lambda: statuses(engine) == {"sent": 20}, timeout=10)
+        assert relay.busy_spells == 0
+
+        def burst() -> None:
+            for n in range(250):
+                produce(engine, [NewEvent("order.placed", {"n": n})])
+
+        threads = [threading.Thread(target=burst) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wait_until(lambda: statuses(engine) == {"sent": 2020}, timeout=30)
+        assert relay.busy_spells >= 1
+
+
 def test_redis_outage_keeps_events_pending_and_resumes(
     engine, relay_settings, consumers, private_redis
 ):
