@@ -74,7 +74,7 @@ class WakeableRedisConsumer(_RedisConsumer):
                     continue
                 self.queued_message_ids.add(message.message_id)
                 return MessageProxy(message)
-        except redis.ConnectionError as exc:
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
 
     _drained = False  # the last fetch got fewer messages than it asked for: the queue is empty
@@ -167,11 +167,14 @@ class PipelineRedisBroker(RedisBroker):
         pipe = self.client.pipeline(transaction=False)
         pipe.blpop([wake_key(self.namespace, queue_name)], max(timeout_ms / 1000, 0.01))
         pipe.evalsha(self.scripts["dispatch"].sha, 1, self.namespace, *fetch)
-        try:
-            _, messages = pipe.execute()
-        except redis.exceptions.NoScriptError:  # Redis lost its scripts: this call loads them
-            messages = self.do_fetch(queue_name, wanted)
-        return list(messages)
+        # Replies checked one by one: a failed wait is only a missed hint, but a fetch that
+        # succeeded holds messages already moved to this worker's un-acked set.
+        _, fetched = pipe.execute(raise_on_error=False)
+        if isinstance(fetched, redis.exceptions.NoScriptError):  # Redis lost its scripts:
+            return list(self.do_fetch(queue_name, wanted))  # this call loads them
+        if isinstance(fetched, Exception):
+            raise fetched
+        return list(fetched)
 
 
 def make_broker(settings: Settings, middleware: list[Any] | None = None) -> PipelineRedisBroker:

@@ -79,7 +79,8 @@ class Settings(BaseSettings):
     publish_backoff_max: PositiveFloat = 300.0
 
     # Workers and inbox
-    worker_timeout_ms: PositiveInt = 100
+    # A worker's wait on Redis must end well inside the client's socket timeout (5 s).
+    worker_timeout_ms: Annotated[int, Field(gt=0, le=1000)] = 100
     broker_heartbeat_timeout_ms: PositiveInt = 60_000
     broker_maintenance_chance: Annotated[int, Field(ge=0, le=1_000_000)] = 1000
     inbox_retention_seconds: PositiveInt = 7 * 24 * 3600

@@ -4,11 +4,11 @@ Loop states:
 
 * **idle** — blocks until a notification, a reconnect, or the adaptive poll timer
   (fast after it found work, doubling up to ``poll_interval_max`` when idle);
-* **busy** — when work arrives faster than one wake-up per ``poll_interval_busy`` (or
-  a batch comes back full) it polls every ``poll_interval_busy`` instead and
-  advertises itself as busy in ``relay_state``, so producers skip NOTIFY and its
-  database-wide commit lock; below that rate a NOTIFY wakes it sooner than a poll
-  would, for less work;
+* **busy** — when work keeps arriving within ``poll_interval_busy`` of the last cycle
+  (or a batch comes back full; :class:`BusyRule`) it polls every ``poll_interval_busy``
+  instead and advertises itself as busy in ``relay_state``, so producers skip NOTIFY
+  and its database-wide commit lock; at lower rates a NOTIFY wakes it sooner than a
+  poll would, for less work;
 * **hand-off** — when a busy relay finds nothing it clears the flag, then keeps
   polling until every transaction that could have seen the flag set has ended
   (snapshot ``xmin`` passes the ``xmax`` taken after the flip), so no event committed
@@ -28,7 +28,6 @@ import socket
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -49,8 +48,6 @@ log = logging.getLogger("pipeline.relay")
 Mode = Literal["auto", "inline", "workers"]
 HEARTBEAT_INTERVAL = 1.0
 HANDOFF_LIMIT = 2.0
-BUSY_AFTER_CYCLES = 8
-"""Productive cycles that must fall within ``BUSY_AFTER_CYCLES * poll_interval_busy``."""
 
 
 class Waker:
@@ -72,6 +69,33 @@ class Waker:
                 self._cond.wait(timeout)
             source, self._source = self._source, None
         return source or "poll"
+
+
+class BusyRule:
+    """When polling beats NOTIFY: work keeps arriving faster than one poll interval.
+
+    A cycle that found work after waiting less than ``poll_interval_busy`` means that a
+    busy poll would have found it as soon; after ``QUICK_CYCLES`` such cycles in a row,
+    or a claim that came back full, the relay polls instead, and it stays busy until a
+    poll finds nothing. Waits are measured, not cycle times: under load a cycle may take
+    longer than the interval while the waits between cycles shrink to nothing. Sixteen
+    in a row keeps chance clusters at lower rates (a few quick arrivals at ~100
+    transactions/s) on the NOTIFY path.
+    """
+
+    QUICK_CYCLES = 16
+
+    def __init__(self, poll_interval_busy: float) -> None:
+        self.poll_interval_busy = poll_interval_busy
+        self.quick = 0  # consecutive productive cycles after a short wait
+
+    def busy_after(self, waited: float, found: int, backlog: bool, busy: bool) -> bool:
+        """Whether the relay should be (or stay) busy after a cycle that found ``found``."""
+        if not found:
+            self.quick = 0
+            return False
+        self.quick = self.quick + 1 if waited < self.poll_interval_busy else 0
+        return backlog or busy or self.quick >= self.QUICK_CYCLES
 
 
 class Relay:
@@ -152,11 +176,13 @@ class Relay:
         conn = self._connection()
         drainer = Drainer(self.settings, self.publisher, self.registry, self.relay_id, conn)
         interval = self.settings.poll_interval_min
-        productive: deque[float] = deque(maxlen=BUSY_AFTER_CYCLES)  # when cycles found work
+        rule = BusyRule(self.settings.poll_interval_busy)
         self._set_busy(conn, False, force=True)
         while not self.stop.is_set():
             timeout = self.settings.poll_interval_busy if self.busy else interval
+            started = time.monotonic()
             source = self.waker.wait(timeout)
+            waited = time.monotonic() - started
             if self.stop.is_set():
                 break
             if self.settings.canary_interval and time.monotonic() >= self._next_canary:
@@ -165,30 +191,19 @@ class Relay:
             metrics.relay_wakeups.labels(source).inc()
             self.cycles += 1
             found, backlog = self._cycle(drainer)
+            if rule.busy_after(waited, found, backlog, self.busy):
+                self._set_busy(conn, True)  # also refreshes a busy relay's heartbeat
             if found:
                 interval = self.settings.poll_interval_min
-                productive.append(time.monotonic())
-                if backlog or self._fast(productive):
-                    self._set_busy(conn, True)
                 if backlog and self.mode != "inline" and self.dispatch is not None:
                     self.dispatch()
                 continue
-            productive.clear()
             if self.busy:
                 self._hand_off(conn, drainer)
             elif conn.execute(self.queries["has_due_work"]).fetchone() == (True,):
                 interval = self.settings.poll_interval_min  # due but held back: look again soon
             else:
                 interval = min(interval * 2, self.settings.poll_interval_max)
-
-    def _fast(self, productive: deque[float]) -> bool:
-        """Whether work arrived faster than one wake-up per ``poll_interval_busy``.
-
-        Below that rate a poll would find nothing most of the time, and each NOTIFY
-        wakes the relay sooner than the next poll would.
-        """
-        window = BUSY_AFTER_CYCLES * self.settings.poll_interval_busy
-        return len(productive) == BUSY_AFTER_CYCLES and productive[-1] - productive[0] < window
 
     def _cycle(self, drainer: Drainer) -> tuple[int, bool]:
         """Publish what is due; returns (events found, whether a backlog remains)."""
@@ -215,16 +230,21 @@ class Relay:
         xmax = row[0] if row else "0"
         deadline = time.monotonic() + HANDOFF_LIMIT
         reconnected = False
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            passed = conn.execute(self.queries["horizon_passed"], {"xmax": xmax}).fetchone()
-            if passed == (True,):
-                break
-            drainer.run_batch()
-            # Producers NOTIFY again already: one that does ends this wait at once.
-            reconnected |= self.waker.wait(self.settings.poll_interval_busy) == "reconnect"
-        drainer.run_batch()
-        if reconnected:  # the LISTEN connection came back: its catch-up sweep is still due
-            self.waker("reconnect")
+        try:
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                passed = conn.execute(self.queries["horizon_passed"], {"xmax": xmax}).fetchone()
+                if passed == (True,):
+                    break
+                drainer.run_batch()
+                # Producers NOTIFY again already: one that does ends this wait at once.
+                source = self.waker.wait(self.settings.poll_interval_busy)
+                metrics.relay_wakeups.labels(source).inc()
+                reconnected |= source == "reconnect"
+            if drainer.run_batch().full:  # more is due: the loop's next cycle takes it now
+                self.waker("poll")
+        finally:
+            if reconnected:  # the LISTEN connection came back: its catch-up is still due
+                self.waker("reconnect")
 
     # -- state -----------------------------------------------------------------------------
     def _set_busy(self, conn: psycopg.Connection[Any], busy: bool, force: bool = False) -> None:

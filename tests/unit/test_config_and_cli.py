@@ -34,6 +34,10 @@ def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         ({"PIPELINE_REDIS_URL": "http://x"}, "PIPELINE_REDIS_URL: Value error, must start with"),
         ({"PIPELINE_DATABASE_URL": "mysql://x"}, "PIPELINE_DATABASE_URL: Value error"),
         ({"PIPELINE_LOG_FORMAT": "xml"}, "PIPELINE_LOG_FORMAT"),
+        (
+            {"PIPELINE_WORKER_TIMEOUT_MS": "5000"},
+            "PIPELINE_WORKER_TIMEOUT_MS: Input should be less than or equal to 1000",
+        ),
     ],
 )
 def test_invalid_setting_is_one_line_naming_the_variable(env, message):
