@@ -117,20 +117,20 @@ def observability_env(mode: str, sink: OtlpSink) -> dict[str, str]:
     ``on``: every span exported over OTLP/HTTP (producers too) and both /metrics endpoints
     served; ``sampled``: the same with 10 % head sampling (``parentbased_traceidratio``:
     every event still carries its trace context, one trace in ten is recorded); ``off``:
-    neither; ``tracing`` or ``metrics``: only that half (to split the cost).
+    neither; ``tracing`` or ``metrics``: only that half (to split the cost); ``default``:
+    as shipped, no ``OTEL_*`` variable (spans get ids, nothing is exported) and /metrics.
     """
-    if mode not in ("on", "sampled", "off", "tracing", "metrics"):
-        raise SystemExit(
-            f"unknown observability mode {mode!r}: use on, sampled, off, tracing, metrics"
-        )
+    modes = ("on", "sampled", "off", "tracing", "metrics", "default")
+    if mode not in modes:
+        raise SystemExit(f"unknown observability mode {mode!r}: use {', '.join(modes)}")
     env: dict[str, str] = {}
     if mode in ("on", "sampled", "tracing"):
         env.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint)
-    else:
+    elif mode != "default":
         env["OTEL_SDK_DISABLED"] = "true"
     if mode == "sampled":
         env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.1")
-    metrics_on = mode in ("on", "sampled", "metrics")
+    metrics_on = mode in ("on", "sampled", "metrics", "default")
     env["PIPELINE_METRICS_PORT"] = str(free_port()) if metrics_on else "0"
     env["PIPELINE_WORKER_METRICS_PORT"] = str(free_port()) if metrics_on else "0"
     return env
@@ -545,7 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="on",
         help=(
             "comma-separated runs: on (OTLP export + /metrics), sampled (the same, 10 %% of "
-            "traces recorded), off (neither), tracing, metrics"
+            "traces recorded), off (neither), tracing, metrics, default (as shipped: no "
+            "OTEL_* variable, /metrics)"
         ),
     )
     parser.add_argument("--database-url")

@@ -98,6 +98,48 @@ def test_exporter_none_still_gives_events_their_own_context():
     assert result.stdout.startswith("00-") and len(result.stdout.strip()) == 55
 
 
+def test_exporter_none_gives_the_pipelines_spans_ids_without_recording_them():
+    """Nothing reads a span when nothing exports: it is not recorded, its context still is."""
+    result = run(
+        """
+        import uuid
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+        from pipeline import Settings
+        from pipeline.envelope import ReceivedEvent
+        from pipeline.observability import tracing
+        tracing.configure_tracing(Settings(), "pipeline-test")
+        created = tracing.start_create_span("order.placed", "e1")
+        assert not created.is_recording()
+        stored = tracing.span_headers(created)["traceparent"]
+        assert int(stored[-2:], 16) & 1, stored  # sampled, as a recorded root would be
+        event = ReceivedEvent(
+            id=uuid.uuid4(), type="order.placed", version=1, data={}, source="s",
+            time="2026-01-01T00:00:00+00:00", seq=1, traceparent=stored,
+        )
+        with tracing.process_span(event, "billing", 1) as span:
+            assert not span.is_recording()
+            assert trace.get_current_span() is span
+            process = span.get_span_context()
+            child = tracing.start_create_span("order.paid", "e2")
+        parent = created.get_span_context()
+        assert process.trace_id == parent.trace_id and process.span_id != parent.span_id
+        assert child.get_span_context().trace_id == parent.trace_id
+        with tracing.send_span("q", []) as send:
+            assert not send.get_span_context().is_valid
+        memory = InMemorySpanExporter()  # a processor added later: spans are recorded again
+        trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(memory))
+        with tracing.process_span(event, "billing", 1) as span:
+            assert span.is_recording()
+        assert [s.name for s in memory.get_finished_spans()] == ["process order.placed"]
+        print("ok")
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [

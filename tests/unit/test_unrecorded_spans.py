@@ -1,0 +1,86 @@
+"""Unrecorded spans carry the context the SDK's own ``start_span`` would give them."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    ParentBased,
+    Sampler,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import SpanKind, TraceFlags, TraceState
+
+from pipeline.observability.tracing import _unrecorded_span
+
+LOW_TRACE_ID = 0x0000000000000000_0FFFFFFFFFFFFFFF  # sampled at ratio 0.5
+HIGH_TRACE_ID = 0xFFFFFFFFFFFFFFFF_FFFFFFFFFFFFFFFF  # not sampled at ratio 0.5
+
+
+class _SameIds(RandomIdGenerator):
+    """Root trace ids from a fixed list, so the SDK and the pipeline see the same ones."""
+
+    def __init__(self, trace_ids: list[int]) -> None:
+        self.trace_ids = list(trace_ids)
+
+    def generate_trace_id(self) -> int:
+        return self.trace_ids.pop(0)
+
+
+def _parent(flags: int | None, state: str = "") -> otel_context.Context | None:
+    if flags is None:
+        return None
+    span_context = trace.SpanContext(
+        0x0AF7651916CD43DD8448EB211C80319C,
+        0xB7AD6B7169203331,
+        is_remote=True,
+        trace_flags=TraceFlags(flags),
+        trace_state=TraceState.from_header([state]) if state else None,
+    )
+    return trace.set_span_in_context(trace.NonRecordingSpan(span_context))
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        ParentBased(ALWAYS_ON),  # the SDK's default
+        TraceIdRatioBased(0.5),
+        ParentBased(TraceIdRatioBased(0.5)),
+        ALWAYS_OFF,
+    ],
+    ids=["parentbased_always_on", "traceidratio", "parentbased_traceidratio", "always_off"],
+)
+@pytest.mark.parametrize(
+    ("parent_flags", "state"),
+    [(None, ""), (0x01, ""), (0x00, ""), (0x01, "vendor=abc"), (0x03, "")],
+    ids=["root", "sampled-parent", "unsampled-parent", "parent-with-state", "random-id-parent"],
+)
+@pytest.mark.parametrize("root_trace_id", [LOW_TRACE_ID, HIGH_TRACE_ID], ids=["low", "high"])
+def test_ids_flags_and_state_match_the_sdks(
+    sampler: Sampler, parent_flags: int | None, state: str, root_trace_id: int
+) -> None:
+    sdk = TracerProvider(sampler=sampler, id_generator=_SameIds([root_trace_id]))
+    ours = TracerProvider(sampler=sampler, id_generator=_SameIds([root_trace_id]))
+    parent = _parent(parent_flags, state)
+    attributes = {"messaging.destination.name": "order.placed"}
+
+    expected = (
+        sdk.get_tracer("pipeline")
+        .start_span("create order.placed", parent, SpanKind.PRODUCER, attributes)
+        .get_span_context()
+    )
+    span = _unrecorded_span(ours, "create order.placed", SpanKind.PRODUCER, parent, attributes)
+    actual = span.get_span_context()
+
+    assert not span.is_recording()
+    assert actual.trace_id == expected.trace_id
+    assert actual.trace_flags == expected.trace_flags
+    assert actual.trace_state == expected.trace_state
+    assert actual.is_remote is False and actual.is_valid
+    if parent is not None:
+        assert actual.span_id != trace.get_current_span(parent).get_span_context().span_id
