@@ -619,6 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "command": shlex.join([sys.executable, *sys.argv]),
             "machine": _machine(),
+            "code": pc._code_version(),
             "durability": durability(database_url),
             "logs": str(logs),
             "setup": {
