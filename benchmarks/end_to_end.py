@@ -136,6 +136,18 @@ def observability_env(mode: str, sink: OtlpSink) -> dict[str, str]:
     return env
 
 
+def base_environment() -> dict[str, str]:
+    """This process's environment without ``OTEL_*`` variables, which the modes set.
+
+    ``OTEL_BSP_*`` (batch span processor tuning) is kept, to measure its effect.
+    """
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if not name.startswith("OTEL_") or name.startswith("OTEL_BSP_")
+    }
+
+
 class Pipeline:
     """A relay and a worker process for the benchmark consumer."""
 
@@ -147,7 +159,7 @@ class Pipeline:
         logs: Path,
         extra_env: dict[str, str],
     ) -> None:
-        env = dict(os.environ)
+        env = base_environment()
         env.update(
             PIPELINE_DATABASE_URL=settings.require_database_url(),
             PIPELINE_REDIS_URL=settings.require_redis_url(),
@@ -286,6 +298,8 @@ def _producer_child(
     env: dict[str, str], url: str, loop: str, args: tuple[float, ...], per_tx: int, out: Any
 ) -> None:
     """Run producers in a process of their own, traced as the mode says (``on``: exported)."""
+    for name in set(os.environ) - set(base_environment()):
+        del os.environ[name]
     os.environ.update(env)
     from pipeline.observability.tracing import configure_tracing, shutdown_tracing
 

@@ -116,18 +116,23 @@ def _unrecorded_span(
 
     Real trace and span ids, and the trace flags and trace state of the provider's
     sampler, as the SDK derives them, so the context propagates exactly as a recorded
-    span's would; about a fifth of a recorded span's cost.
+    span's would; about a fifth of a recorded span's cost. (The SDK's private per-tracer
+    switch, a tracer configurator, is not consulted: ``configure_tracing`` sets none.)
     """
     ids = provider.id_generator
     parent_span = trace.get_current_span(parent).get_span_context()
     root = not parent_span.is_valid
     trace_id = ids.generate_trace_id() if root else parent_span.trace_id
-    sampled = provider.sampler.should_sample(parent, trace_id, name, kind, attributes)
+    sampled = provider.sampler.should_sample(parent, trace_id, name, kind, attributes, ())
     recorded = sampled.decision.is_sampled()  # type: ignore[no-untyped-call]
     flags = trace.TraceFlags.SAMPLED if recorded else trace.TraceFlags.DEFAULT
-    random_id = ids.is_trace_id_random() if root else parent_span.trace_flags.random_trace_id
-    if random_id:
-        flags |= trace.TraceFlags.RANDOM_TRACE_ID
+    # W3C trace-context level 2's random-trace-id flag, set as the SDK sets it where the
+    # installed OpenTelemetry knows it (newer than the oldest release pyproject allows).
+    random_flag: int = getattr(trace.TraceFlags, "RANDOM_TRACE_ID", 0)
+    if random_flag:
+        random_id = ids.is_trace_id_random() if root else parent_span.trace_flags.random_trace_id
+        if random_id:
+            flags |= random_flag
     return trace.NonRecordingSpan(
         trace.SpanContext(
             trace_id,

@@ -10,8 +10,10 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
     ALWAYS_ON,
+    Decision,
     ParentBased,
     Sampler,
+    SamplingResult,
     TraceIdRatioBased,
 )
 from opentelemetry.trace import SpanKind, TraceFlags, TraceState
@@ -32,11 +34,28 @@ class _SameIds(RandomIdGenerator):
         return self.trace_ids.pop(0)
 
 
-def _parent(flags: int | None, state: str = "") -> otel_context.Context | None:
+class _StateWriter(Sampler):
+    """Samples every trace and writes its own trace state (not the parent's)."""
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None):  # type: ignore[no-untyped-def]
+        return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, TraceState([("me", "1")]))
+
+    def get_description(self) -> str:
+        return "state-writer"
+
+
+class _NotRandomIds(_SameIds):
+    def is_trace_id_random(self) -> bool:
+        return False
+
+
+def _parent(flags: int | None, trace_id: int, state: str = "") -> otel_context.Context | None:
     if flags is None:
         return None
+    if flags < 0:  # an explicitly invalid parent: a root, as with none
+        return trace.set_span_in_context(trace.INVALID_SPAN)
     span_context = trace.SpanContext(
-        0x0AF7651916CD43DD8448EB211C80319C,
+        trace_id,
         0xB7AD6B7169203331,
         is_remote=True,
         trace_flags=TraceFlags(flags),
@@ -52,21 +71,41 @@ def _parent(flags: int | None, state: str = "") -> otel_context.Context | None:
         TraceIdRatioBased(0.5),
         ParentBased(TraceIdRatioBased(0.5)),
         ALWAYS_OFF,
+        _StateWriter(),
     ],
-    ids=["parentbased_always_on", "traceidratio", "parentbased_traceidratio", "always_off"],
+    ids=[
+        "parentbased_always_on",
+        "traceidratio",
+        "parentbased_traceidratio",
+        "always_off",
+        "state-writer",
+    ],
 )
 @pytest.mark.parametrize(
     ("parent_flags", "state"),
-    [(None, ""), (0x01, ""), (0x00, ""), (0x01, "vendor=abc"), (0x03, "")],
-    ids=["root", "sampled-parent", "unsampled-parent", "parent-with-state", "random-id-parent"],
+    [(None, ""), (-1, ""), (0x01, ""), (0x00, ""), (0x01, "vendor=abc"), (0x03, "")],
+    ids=[
+        "root",
+        "invalid-parent",
+        "sampled-parent",
+        "unsampled-parent",
+        "parent-with-state",
+        "random-id-parent",
+    ],
 )
-@pytest.mark.parametrize("root_trace_id", [LOW_TRACE_ID, HIGH_TRACE_ID], ids=["low", "high"])
+@pytest.mark.parametrize("trace_id", [LOW_TRACE_ID, HIGH_TRACE_ID], ids=["low", "high"])
+@pytest.mark.parametrize("id_generator", [_SameIds, _NotRandomIds], ids=["random", "not-random"])
 def test_ids_flags_and_state_match_the_sdks(
-    sampler: Sampler, parent_flags: int | None, state: str, root_trace_id: int
+    sampler: Sampler,
+    parent_flags: int | None,
+    state: str,
+    trace_id: int,
+    id_generator: type[_SameIds],
 ) -> None:
-    sdk = TracerProvider(sampler=sampler, id_generator=_SameIds([root_trace_id]))
-    ours = TracerProvider(sampler=sampler, id_generator=_SameIds([root_trace_id]))
-    parent = _parent(parent_flags, state)
+    """``trace_id`` is the root's (from the id generator) or the parent's."""
+    sdk = TracerProvider(sampler=sampler, id_generator=id_generator([trace_id]))
+    ours = TracerProvider(sampler=sampler, id_generator=id_generator([trace_id]))
+    parent = _parent(parent_flags, trace_id, state)
     attributes = {"messaging.destination.name": "order.placed"}
 
     expected = (
@@ -84,3 +123,17 @@ def test_ids_flags_and_state_match_the_sdks(
     assert actual.is_remote is False and actual.is_valid
     if parent is not None:
         assert actual.span_id != trace.get_current_span(parent).get_span_context().span_id
+
+
+def test_with_no_parent_given_the_current_span_is_the_parent() -> None:
+    provider = TracerProvider()
+    current = trace.NonRecordingSpan(
+        trace.SpanContext(LOW_TRACE_ID, 0x1234, is_remote=False, trace_flags=TraceFlags(1))
+    )
+    token = otel_context.attach(trace.set_span_in_context(current))
+    try:
+        span = _unrecorded_span(provider, "create x", SpanKind.PRODUCER, None, {})
+    finally:
+        otel_context.detach(token)
+    assert span.get_span_context().trace_id == LOW_TRACE_ID
+    assert span.get_span_context().trace_flags.sampled
