@@ -238,6 +238,8 @@ class Relay:
                 drainer.run_batch()
                 # Producers NOTIFY again already: one that does ends this wait at once.
                 source = self.waker.wait(self.settings.poll_interval_busy)
+                if self.stop.is_set():
+                    break
                 metrics.relay_wakeups.labels(source).inc()
                 reconnected |= source == "reconnect"
             if drainer.run_batch().full:  # more is due: the loop's next cycle takes it now
