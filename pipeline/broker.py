@@ -133,17 +133,46 @@ class PipelineRedisBroker(RedisBroker):
         with a fetch within ``worker_timeout`` even if this fails (raising would make a
         caller send it again).
         """
-        key = wake_key(self.namespace, queue_name)
         try:
             pipe = self.client.pipeline(transaction=False)
-            pipe.lpush(key, "1")
-            pipe.ltrim(key, 0, 0)
+            self.push_wake(pipe, queue_name)
             pipe.execute()
         except redis.RedisError as exc:
             log.warning(
                 "could not push a wake-up; consumers find the message after their next wait",
                 extra={"queue": queue_name, "error_class": type(exc).__name__},
             )
+
+    def push_wake(self, pipe: Any, queue_name: str) -> None:
+        """Add to ``pipe`` the commands that leave one wake-up on the queue's list."""
+        key = wake_key(self.namespace, queue_name)
+        pipe.lpush(key, "1")
+        pipe.ltrim(key, 0, 0)
+
+    def push_dispatch(
+        self, pipe: Any, command: str, queue_name: str, *args: object, maintenance: bool = True
+    ) -> None:
+        """Add to ``pipe`` a call of Dramatiq's dispatch script, as its ``do_<command>`` makes.
+
+        ``EVALSHA`` directly, without redis-py's ``SCRIPT EXISTS`` round trip: a caller
+        whose server lost its scripts gets ``NoScriptError`` and loads them.
+        ``maintenance=False`` never asks the script for maintenance on this call.
+        """
+        do_maintenance = self._should_do_maintenance(command) if maintenance else 0
+        pipe.evalsha(
+            self.scripts["dispatch"].sha,
+            1,
+            self.namespace,
+            command,
+            current_millis(),
+            queue_name,
+            self.broker_id,
+            self.heartbeat_timeout,
+            self.dead_message_ttl,
+            do_maintenance,
+            self._max_unpack_size(),  # type: ignore[no-untyped-call]
+            *args,
+        )
 
     def wait_and_fetch(self, queue_name: str, wanted: int, timeout_ms: int) -> list[Any]:
         """Wait up to ``timeout_ms`` for a wake-up, then fetch up to ``wanted`` messages.
@@ -153,20 +182,9 @@ class PipelineRedisBroker(RedisBroker):
         heartbeat) is taken before the wait, at most ``timeout_ms`` early, far inside the
         heartbeat timeout.
         """
-        fetch = [  # the arguments Dramatiq's do_fetch passes its dispatch script
-            "fetch",
-            current_millis(),
-            queue_name,
-            self.broker_id,
-            self.heartbeat_timeout,
-            self.dead_message_ttl,
-            self._should_do_maintenance("fetch"),
-            self._max_unpack_size(),  # type: ignore[no-untyped-call]
-            wanted,
-        ]
         pipe = self.client.pipeline(transaction=False)
         pipe.blpop([wake_key(self.namespace, queue_name)], max(timeout_ms / 1000, 0.01))
-        pipe.evalsha(self.scripts["dispatch"].sha, 1, self.namespace, *fetch)
+        self.push_dispatch(pipe, "fetch", queue_name, wanted)
         # Replies checked one by one: a failed wait is only a missed hint, but a fetch that
         # succeeded holds messages already moved to this worker's un-acked set.
         _, fetched = pipe.execute(raise_on_error=False)

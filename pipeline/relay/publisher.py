@@ -66,7 +66,6 @@ class DramatiqRedisPublisher:
         self.source = source
         self.max_message_bytes = max_message_bytes
         self._dispatch = broker.scripts["dispatch"]
-        self._wake_prefix = f"{broker.namespace}:pipeline-wake:"
 
     def encode(
         self, delivery: Delivery, envelopes_by_event: dict[uuid.UUID, str] | None = None
@@ -99,9 +98,7 @@ class DramatiqRedisPublisher:
             return []
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         envelopes: dict[uuid.UUID, str] = {}
-        commands: dict[int, tuple[str, list[str]]] = {}  # delivery index -> queue, script args
-        now = str(int(time.time() * 1000))
-        unpack = str(self.broker._max_unpack_size())
+        commands: dict[int, tuple[str, str, str]] = {}  # delivery index -> queue, id, body
         for index, delivery in enumerate(deliveries):
             redis_id, body = self.encode(delivery, envelopes)
             if len(body) > self.max_message_bytes:
@@ -109,22 +106,7 @@ class DramatiqRedisPublisher:
                     f"message of {len(body)} bytes exceeds the {self.max_message_bytes}-byte limit"
                 )
                 continue
-            queue = delivery.subscription.queue
-            commands[index] = (
-                queue,
-                [
-                    "enqueue",
-                    now,
-                    queue,
-                    self.broker.broker_id,
-                    self.broker.heartbeat_timeout,
-                    self.broker.dead_message_ttl,
-                    "0",
-                    unpack,
-                    redis_id,
-                    body,
-                ],
-            )
+            commands[index] = (delivery.subscription.queue, redis_id, body)
         results = self._enqueue(commands)
         if any(isinstance(result, NoScriptError) for result in results.values()):
             # The server lost its script cache (restart, SCRIPT FLUSH): load it, send again.
@@ -136,20 +118,15 @@ class DramatiqRedisPublisher:
                 outcomes[index] = result
         return outcomes
 
-    def _enqueue(self, commands: dict[int, tuple[str, list[str]]]) -> dict[int, object]:
-        """One pipelined round trip: EVALSHA of Dramatiq's dispatch script per message.
-
-        Calling EVALSHA directly (not through redis-py's Script object) saves the SCRIPT
-        EXISTS round trip that redis-py adds before every pipeline holding a script.
-        """
+    def _enqueue(self, commands: dict[int, tuple[str, str, str]]) -> dict[int, object]:
+        """One pipelined round trip: Dramatiq's enqueue per message, then the wake-ups."""
         if not commands:
             return {}
         pipe = self.broker.client.pipeline(transaction=False)
-        for _queue, args in commands.values():
-            pipe.evalsha(self._dispatch.sha, 1, self.broker.namespace, *args)
-        for queue in sorted({queue for queue, _ in commands.values()}):
-            pipe.lpush(self._wake_prefix + queue, "1")  # wake idle consumers of these queues
-            pipe.ltrim(self._wake_prefix + queue, 0, 0)
+        for queue, redis_id, body in commands.values():
+            self.broker.push_dispatch(pipe, "enqueue", queue, redis_id, body, maintenance=False)
+        for queue in sorted({queue for queue, _, _ in commands.values()}):
+            self.broker.push_wake(pipe, queue)  # wake idle consumers of these queues
         try:
             results = pipe.execute(raise_on_error=False)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
