@@ -111,12 +111,13 @@ class OtlpSink(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
-def observability_env(mode: str, sink: OtlpSink) -> dict[str, str]:
+def observability_env(mode: str, sink: OtlpSink, sample_ratio: float = 0.1) -> dict[str, str]:
     """The environment of one observability mode.
 
     ``on``: every span exported over OTLP/HTTP (producers too) and both /metrics endpoints
-    served; ``sampled``: the same with 10 % head sampling (``parentbased_traceidratio``:
-    every event still carries its trace context, one trace in ten is recorded); ``off``:
+    served; ``sampled``: the same with head sampling (``parentbased_traceidratio`` at
+    ``sample_ratio``: every event still carries its trace context, by default one trace
+    in ten is recorded); ``off``:
     neither; ``tracing`` or ``metrics``: only that half (to split the cost); ``default``:
     as shipped, no ``OTEL_*`` variable (spans get ids, nothing is exported) and /metrics.
     """
@@ -129,7 +130,8 @@ def observability_env(mode: str, sink: OtlpSink) -> dict[str, str]:
     elif mode != "default":
         env["OTEL_SDK_DISABLED"] = "true"
     if mode == "sampled":
-        env.update(OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.1")
+        env["OTEL_TRACES_SAMPLER"] = "parentbased_traceidratio"
+        env["OTEL_TRACES_SAMPLER_ARG"] = str(sample_ratio)
     metrics_on = mode in ("on", "sampled", "metrics", "default")
     env["PIPELINE_METRICS_PORT"] = str(free_port()) if metrics_on else "0"
     env["PIPELINE_WORKER_METRICS_PORT"] = str(free_port()) if metrics_on else "0"
@@ -558,10 +560,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--observability",
         default="on",
         help=(
-            "comma-separated runs: on (OTLP export + /metrics), sampled (the same, 10 %% of "
-            "traces recorded), off (neither), tracing, metrics, default (as shipped: no "
-            "OTEL_* variable, /metrics)"
+            "comma-separated runs: on (OTLP export + /metrics), sampled (the same, "
+            "--sample-ratio of traces recorded), off (neither), tracing, metrics, "
+            "default (as shipped: no OTEL_* variable, /metrics)"
         ),
+    )
+    parser.add_argument(
+        "--sample-ratio",
+        type=float,
+        default=0.1,
+        help="share of traces the sampled mode records (default 0.1)",
     )
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")
@@ -584,7 +592,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sink = OtlpSink()
         results: dict[str, Any] = {}
         for mode in args.observability.split(","):
-            env = observability_env(mode, sink)
+            env = observability_env(mode, sink, args.sample_ratio)
             pipeline = Pipeline(
                 settings, args.worker_processes, args.worker_threads, logs / mode, env
             )
@@ -645,6 +653,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "observability on they trace (create spans, OTLP export)"
                 ),
                 "worker_timeout_ms": settings.worker_timeout_ms,
+                "sampled_mode_ratio": args.sample_ratio,
             },
             "results": results,
         }

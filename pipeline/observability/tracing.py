@@ -21,9 +21,10 @@ distributed-tracing extension), whatever global propagator the application set.
 Library code only uses ``trace.get_tracer("pipeline")``: without a configured
 ``TracerProvider`` every span is a no-op and the caller's own context (if any) is
 still propagated. :func:`configure_tracing` sets up the SDK from ``OTEL_*``
-variables for the pipeline's own processes; while that provider exports nowhere (no
-exporter, the default) the pipeline's spans get real ids and the sampler's decision
-but are not recorded, since nothing would read them (``_unrecorded_span``). Payloads
+variables for the pipeline's own processes; under that provider the pipeline makes its
+spans itself (``spans.SpanFactory``, a fraction of the SDK's cost), and while it
+exports nowhere (no exporter, the default) they get real ids and the sampler's
+decision but are not recorded, since nothing would read them. Payloads
 never become attributes (I6), and neither do exception messages: errors are recorded
 by class only.
 """
@@ -39,7 +40,7 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import Token
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -49,10 +50,10 @@ from pipeline.config import Settings
 from pipeline.errors import ConfigurationError
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import TracerProvider as SdkTracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from pipeline.envelope import OutboxEvent, ReceivedEvent
+    from pipeline.observability.spans import SpanFactory
 
 log = logging.getLogger("pipeline.tracing")
 
@@ -82,66 +83,15 @@ def _tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
-Mode = Literal["off", "ids", "record"]
+def _own_spans() -> SpanFactory | None:
+    """The installed provider's :class:`SpanFactory`, when it is the pipeline's own."""
+    return getattr(trace.get_tracer_provider(), "pipeline_spans", None)
 
 
-def _mode() -> Mode:
-    """How the pipeline's own spans are made, from the installed provider.
-
-    ``off``: no SDK (no-op spans, the caller's context travels); ``ids``: the provider
-    :func:`configure_tracing` installed has no span processor, so spans get ids but are
-    not recorded; ``record``: SDK spans.
-    """
+def _sdk_installed() -> bool:
+    """Whether some SDK provider is installed (else spans are no-ops)."""
     provider = trace.get_tracer_provider()
-    if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
-        return "off"
-    if getattr(provider, "pipeline_exports", True) is False:
-        return "ids"
-    return "record"
-
-
-def _sdk_provider() -> SdkTracerProvider:
-    """The installed provider, when :func:`_mode` said it is the SDK's."""
-    return trace.get_tracer_provider()  # type: ignore[return-value]
-
-
-def _unrecorded_span(
-    provider: SdkTracerProvider,
-    name: str,
-    kind: SpanKind,
-    parent: otel_context.Context | None,
-    attributes: Mapping[str, str | int],
-) -> Span:
-    """What the SDK's ``start_span`` would make, without recording it: nothing would read it.
-
-    Real trace and span ids, and the trace flags and trace state of the provider's
-    sampler, as the SDK derives them, so the context propagates exactly as a recorded
-    span's would; about a fifth of a recorded span's cost. (The SDK's private per-tracer
-    switch, a tracer configurator, is not consulted: ``configure_tracing`` sets none.)
-    """
-    ids = provider.id_generator
-    parent_span = trace.get_current_span(parent).get_span_context()
-    root = not parent_span.is_valid
-    trace_id = ids.generate_trace_id() if root else parent_span.trace_id
-    sampled = provider.sampler.should_sample(parent, trace_id, name, kind, attributes, ())
-    recorded = sampled.decision.is_sampled()  # type: ignore[no-untyped-call]
-    flags = trace.TraceFlags.SAMPLED if recorded else trace.TraceFlags.DEFAULT
-    # W3C trace-context level 2's random-trace-id flag, set as the SDK sets it where the
-    # installed OpenTelemetry knows it (newer than the oldest release pyproject allows).
-    random_flag: int = getattr(trace.TraceFlags, "RANDOM_TRACE_ID", 0)
-    if random_flag:
-        random_id = ids.is_trace_id_random() if root else parent_span.trace_flags.random_trace_id
-        if random_id:
-            flags |= random_flag
-    return trace.NonRecordingSpan(
-        trace.SpanContext(
-            trace_id,
-            ids.generate_span_id(),
-            is_remote=False,
-            trace_flags=trace.TraceFlags(flags),
-            trace_state=sampled.trace_state,
-        )
-    )
+    return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
 
 
 def span_headers(span: Span) -> dict[str, str]:
@@ -253,8 +203,9 @@ def start_create_span(
     if correlation_id is not None:
         attributes[CONVERSATION_ID] = correlation_id
     name = f"create {event_type}"
-    if _mode() == "ids":
-        return _unrecorded_span(_sdk_provider(), name, SpanKind.PRODUCER, parent, attributes)
+    own = _own_spans()
+    if own is not None:
+        return own.start(name, SpanKind.PRODUCER, parent, attributes)
     return _tracer().start_span(name, context=parent, kind=SpanKind.PRODUCER, attributes=attributes)
 
 
@@ -273,24 +224,25 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
     marks it failed; :func:`record_send_outcome` does
     the same for an outcome the publisher returned instead of raising.
     """
-    mode = _mode()
-    if mode == "ids":  # a send span parents nothing: without a recorder it is not needed
-        yield trace.INVALID_SPAN
+    own = _own_spans()
+    if (own is not None and not own.recording) or not _sdk_installed():
+        yield trace.INVALID_SPAN  # a send span parents nothing: unrecorded, it is not needed
         return
-    links = _creation_links(events) if mode == "record" else []
-    span = _tracer().start_span(
-        f"send {destination}",
-        kind=SEND_SPAN_KIND,
-        attributes={
-            SYSTEM: MESSAGING_SYSTEM,
-            OPERATION_TYPE: "send",
-            OPERATION_NAME: "send",
-            DESTINATION: destination,
-            BATCH_COUNT: len(events),
-        },
-        links=links or None,
-        context=_single_trace_parent(links),
-    )
+    links = _creation_links(events)
+    name, parent = f"send {destination}", _single_trace_parent(links)
+    attributes: dict[str, str | int] = {
+        SYSTEM: MESSAGING_SYSTEM,
+        OPERATION_TYPE: "send",
+        OPERATION_NAME: "send",
+        DESTINATION: destination,
+        BATCH_COUNT: len(events),
+    }
+    if own is not None:
+        span = own.start(name, SEND_SPAN_KIND, parent, attributes, links)
+    else:
+        span = _tracer().start_span(
+            name, parent, SEND_SPAN_KIND, attributes=attributes, links=links or None
+        )
     yield from _ended_on_exit(span)
 
 
@@ -343,8 +295,8 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
     context managers of ``start_as_current_span``.
     """
     parent = remote_span_context(event.traceparent, event.tracestate)
-    mode = _mode()
-    if mode == "off":  # no SDK: nothing is recorded, the context still travels
+    own = _own_spans()
+    if own is None and not _sdk_installed():  # nothing is recorded, the context still travels
         current = trace.get_current_span().get_span_context()
         span: Span = trace.NonRecordingSpan(parent if parent is not None else current)
     else:
@@ -360,8 +312,15 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
         if event.correlation_id is not None:
             attributes[CONVERSATION_ID] = event.correlation_id
         name, context = f"process {event.type}", None if parent is None else _remote_parent(parent)
-        if mode == "ids":  # follow-up events and log lines still get a span of their own
-            span = _unrecorded_span(_sdk_provider(), name, SpanKind.CONSUMER, context, attributes)
+        if own is not None:  # recorded or not, follow-up events and log lines get its ids
+            span = own.start(
+                name,
+                SpanKind.CONSUMER,
+                context,
+                attributes,
+                record_exception=False,
+                set_status_on_exception=False,
+            )
         else:
             span = _tracer().start_span(
                 name,
@@ -451,31 +410,18 @@ def configure_tracing(settings: Settings, service_name: str) -> trace.TracerProv
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
+        from pipeline.observability.spans import PipelineTracerProvider
+
         attributes: dict[str, str] = {"pipeline.schema": settings.schema_name}
         if not os.environ.get("OTEL_SERVICE_NAME"):
             attributes[SERVICE_NAME] = service_name
-        provider = _pipeline_tracer_provider()(resource=Resource.create(attributes))
+        provider = PipelineTracerProvider(resource=Resource.create(attributes))
         for name in exporters:
             provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
         trace.set_tracer_provider(provider)
         _configured = provider
         log.debug("tracing configured", extra={"exporters": ",".join(exporters) or "none"})
         return provider
-
-
-def _pipeline_tracer_provider() -> type[SdkTracerProvider]:
-    from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
-
-    class PipelineTracerProvider(TracerProvider):
-        """The SDK provider, knowing whether anything reads its spans (see ``_mode``)."""
-
-        pipeline_exports = False
-
-        def add_span_processor(self, span_processor: SpanProcessor) -> None:
-            super().add_span_processor(span_processor)
-            self.pipeline_exports = True
-
-    return PipelineTracerProvider
 
 
 def shutdown_tracing() -> None:

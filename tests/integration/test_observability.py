@@ -21,13 +21,14 @@ import psycopg
 import pytest
 import redis
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pipeline import NewEvent, Settings, configure
 from pipeline.envelope import decode_envelope
 from pipeline.observability import metrics, tracing
+from pipeline.observability.spans import PipelineTracerProvider
 from pipeline.observability.state import StateCollector
 from pipeline.relay.publisher import Delivery, PermanentPublishError
 from tests.integration.conftest import drainer_for
@@ -67,7 +68,7 @@ _installed: list[_Capture] = []
 def _install_provider() -> _Capture:
     if not _installed:
         _installed.append(_Capture())
-        provider = TracerProvider()
+        provider = PipelineTracerProvider()  # what `configure_tracing` installs
         provider.add_span_processor(_installed[0])
         trace.set_tracer_provider(provider)  # once per process: OpenTelemetry's rule
         assert trace.get_tracer_provider() is provider, "another provider was installed first"

@@ -1,4 +1,4 @@
-"""Unrecorded spans carry the context the SDK's own ``start_span`` would give them."""
+"""Unrecorded spans (a pipeline provider with no processor) carry the SDK's context."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.sampling import (
 )
 from opentelemetry.trace import SpanKind, TraceFlags, TraceState
 
-from pipeline.observability.tracing import _unrecorded_span
+from pipeline.observability.spans import PipelineTracerProvider
 
 LOW_TRACE_ID = 0x0000000000000000_0FFFFFFFFFFFFFFF  # sampled at ratio 0.5
 HIGH_TRACE_ID = 0xFFFFFFFFFFFFFFFF_FFFFFFFFFFFFFFFF  # not sampled at ratio 0.5
@@ -104,7 +104,7 @@ def test_ids_flags_and_state_match_the_sdks(
 ) -> None:
     """``trace_id`` is the root's (from the id generator) or the parent's."""
     sdk = TracerProvider(sampler=sampler, id_generator=id_generator([trace_id]))
-    ours = TracerProvider(sampler=sampler, id_generator=id_generator([trace_id]))
+    ours = PipelineTracerProvider(sampler=sampler, id_generator=id_generator([trace_id]))
     parent = _parent(parent_flags, trace_id, state)
     attributes = {"messaging.destination.name": "order.placed"}
 
@@ -113,7 +113,7 @@ def test_ids_flags_and_state_match_the_sdks(
         .start_span("create order.placed", parent, SpanKind.PRODUCER, attributes)
         .get_span_context()
     )
-    span = _unrecorded_span(ours, "create order.placed", SpanKind.PRODUCER, parent, attributes)
+    span = ours.pipeline_spans.start("create order.placed", SpanKind.PRODUCER, parent, attributes)
     actual = span.get_span_context()
 
     assert not span.is_recording()
@@ -126,13 +126,13 @@ def test_ids_flags_and_state_match_the_sdks(
 
 
 def test_with_no_parent_given_the_current_span_is_the_parent() -> None:
-    provider = TracerProvider()
+    provider = PipelineTracerProvider()
     current = trace.NonRecordingSpan(
         trace.SpanContext(LOW_TRACE_ID, 0x1234, is_remote=False, trace_flags=TraceFlags(1))
     )
     token = otel_context.attach(trace.set_span_in_context(current))
     try:
-        span = _unrecorded_span(provider, "create x", SpanKind.PRODUCER, None, {})
+        span = provider.pipeline_spans.start("create x", SpanKind.PRODUCER, None, {})
     finally:
         otel_context.detach(token)
     assert span.get_span_context().trace_id == LOW_TRACE_ID

@@ -1,0 +1,367 @@
+"""The pipeline's own spans, made without the SDK's ``start_span`` under the pipeline's provider.
+
+Every event gets a ``create`` and a ``process`` span, so their cost is tracing's cost.
+The SDK's ``Tracer.start_span`` plus ``end`` took about 30 µs a span here, most of it
+validating and copying attributes the pipeline built itself and snapshotting the span
+for its processors. Under :class:`PipelineTracerProvider` (what ``configure_tracing``
+installs) :class:`SpanFactory` makes the same spans in a few microseconds: the same
+ids, flags and trace state, one call of the provider's sampler, the same attributes,
+events, links, status and span limits, and the same calls to the provider's span
+processors, which receive the span itself (an SDK ``ReadableSpan`` that refuses
+changes once ended) instead of a copy. tests/unit/test_recorded_spans.py compares the
+two field by field.
+
+Not reproduced: the SDK's own span metrics (``otel.sdk.span.*``, recorded only with an
+OpenTelemetry meter provider) and its experimental per-tracer configurator, which
+``configure_tracing`` never sets. An application's own SDK provider keeps the SDK's
+spans.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import traceback
+from collections.abc import Mapping, Sequence
+from time import time_ns
+from types import TracebackType
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import (
+    Event,
+    ReadableSpan,
+    SpanLimits,
+    SpanProcessor,
+    SynchronousMultiSpanProcessor,
+    TracerProvider,
+)
+from opentelemetry.sdk.util import BoundedList
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
+from opentelemetry.util import types
+
+log = logging.getLogger("opentelemetry.sdk.trace")  # the SDK's own warnings, same logger
+
+SCOPE_NAME = "pipeline"
+_PLAIN_VALUES = frozenset({str, bool, int, float})  # validated as they are (no length limit)
+# W3C trace-context level 2's random-trace-id flag, where the installed OpenTelemetry
+# knows it (newer than the oldest release pyproject allows).
+_RANDOM_FLAG: int = getattr(trace.TraceFlags, "RANDOM_TRACE_ID", 0)
+
+
+class PipelineTracerProvider(TracerProvider):
+    """The SDK's provider, whose pipeline spans its :class:`SpanFactory` makes."""
+
+    def __init__(self, *, span_limits: SpanLimits | None = None, **options: Any) -> None:
+        limits = span_limits if span_limits is not None else SpanLimits()
+        super().__init__(span_limits=limits, **options)
+        self.pipeline_spans = SpanFactory(self, limits)
+
+    def add_span_processor(self, span_processor: SpanProcessor) -> None:
+        super().add_span_processor(span_processor)
+        self.pipeline_spans.add_processor(span_processor)
+
+
+class SpanFactory:
+    """Starts the pipeline's spans for one provider: recorded once a processor reads them."""
+
+    def __init__(self, provider: TracerProvider, limits: SpanLimits) -> None:
+        self.provider = provider
+        self.limits = limits
+        self.scope = InstrumentationScope(SCOPE_NAME, "")  # as the SDK names an unversioned tracer
+        self.processor = SynchronousMultiSpanProcessor()  # type: ignore[no-untyped-call]
+        self.recording = False  # until a processor is added nothing would read a span
+
+    def add_processor(self, processor: SpanProcessor) -> None:
+        self.processor.add_span_processor(processor)
+        self.recording = True
+
+    def start(
+        self,
+        name: str,
+        kind: SpanKind,
+        parent: otel_context.Context | None,
+        attributes: Mapping[str, types.AttributeValue],
+        links: Sequence[Link] = (),
+        *,
+        record_exception: bool = True,
+        set_status_on_exception: bool = True,
+    ) -> trace.Span:
+        """What the SDK's ``Tracer.start_span`` would return for these arguments.
+
+        ``parent`` ``None`` means the current context, as in the SDK. The span is
+        recorded when a processor is installed and the sampler says so; otherwise it is
+        a ``NonRecordingSpan`` with the ids, flags and trace state the SDK would give it.
+        """
+        provider = self.provider
+        ids = provider.id_generator
+        parent_span = trace.get_current_span(parent).get_span_context()
+        root = not parent_span.is_valid
+        trace_id = ids.generate_trace_id() if root else parent_span.trace_id
+        sampled = provider.sampler.should_sample(parent, trace_id, name, kind, attributes, links)
+        decision = sampled.decision
+        flags = trace.TraceFlags.SAMPLED if decision.is_sampled() else trace.TraceFlags.DEFAULT  # type: ignore[no-untyped-call]
+        if _RANDOM_FLAG and (
+            ids.is_trace_id_random() if root else parent_span.trace_flags.random_trace_id
+        ):
+            flags |= _RANDOM_FLAG
+        context = trace.SpanContext(
+            trace_id,
+            ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=trace.TraceFlags(flags),
+            trace_state=sampled.trace_state,
+        )
+        if not (self.recording and decision.is_recording()):  # type: ignore[no-untyped-call]
+            return trace.NonRecordingSpan(context)
+        span = RecordedSpan(
+            self,
+            name,
+            context,
+            None if root else parent_span,
+            kind,
+            sampled.attributes,
+            links,
+            record_exception=record_exception,
+            set_status_on_exception=set_status_on_exception,
+        )
+        # Processors get the span the SDK's would: the API's Span plus ReadableSpan.
+        self.processor.on_start(span, parent_context=parent)  # type: ignore[arg-type]
+        return span
+
+
+class RecordedSpan(trace.Span, ReadableSpan):
+    """A recording span: the API's ``Span`` over the SDK's ``ReadableSpan`` fields.
+
+    Mutations follow the SDK's span: span limits apply, an ended span refuses changes
+    with the SDK's warning, status ``OK`` is final. Attributes stay a plain dict while
+    they are plain values within the limits, as the SDK would keep them unchanged.
+    """
+
+    def __init__(
+        self,
+        factory: SpanFactory,
+        name: str,
+        context: trace.SpanContext,
+        parent: trace.SpanContext | None,
+        kind: SpanKind,
+        attributes: Mapping[str, types.AttributeValue],
+        links: Sequence[Link],
+        *,
+        record_exception: bool,
+        set_status_on_exception: bool,
+    ) -> None:
+        limits = factory.limits
+        ReadableSpan.__init__(
+            self,
+            name=name,
+            context=context,
+            parent=parent,
+            resource=factory.provider.resource,
+            attributes=_span_attributes(attributes, limits),
+            links=_span_links(links, limits),
+            kind=kind,
+            instrumentation_scope=factory.scope,
+            start_time=time_ns(),
+        )
+        self._factory = factory
+        self._lock = threading.Lock()
+        self._record_exception = record_exception
+        self._set_status_on_exception = set_status_on_exception
+
+    def get_span_context(self) -> trace.SpanContext:
+        return self._context  # type: ignore[return-value]
+
+    def is_recording(self) -> bool:
+        return self._end_time is None
+
+    def set_attribute(self, key: str, value: types.AttributeValue) -> None:
+        with self._lock:
+            if self._end_time is not None:
+                log.warning("Setting attribute on ended span.")
+                return
+            self._bounded_attributes()[key] = value
+
+    def set_attributes(self, attributes: Mapping[str, types.AttributeValue]) -> None:
+        with self._lock:
+            if self._end_time is not None:
+                log.warning("Setting attribute on ended span.")
+                return
+            bounded = self._bounded_attributes()
+            set_items = getattr(bounded, "_set_items", None)  # the SDK's batch set, if any
+            if set_items is not None:
+                set_items(attributes)
+                return
+            for key, value in attributes.items():
+                bounded[key] = value
+
+    def _bounded_attributes(self) -> BoundedAttributes:
+        """The attributes under the SDK's limits, from the first change made after start."""
+        if not isinstance(self._attributes, BoundedAttributes):
+            limits = self._factory.limits
+            self._attributes = BoundedAttributes(
+                limits.max_span_attributes,
+                self._attributes,
+                immutable=False,
+                max_value_len=limits.max_span_attribute_length,
+            )
+        return self._attributes
+
+    def add_event(
+        self, name: str, attributes: types.Attributes = None, timestamp: int | None = None
+    ) -> None:
+        if self._ended("_add_event"):
+            return
+        limits = self._factory.limits
+        event_attributes = BoundedAttributes(
+            limits.max_event_attributes,
+            attributes,
+            max_value_len=limits.max_attribute_length,
+            immutable=True,
+        )
+        with self._lock:
+            if not isinstance(self._events, BoundedList):
+                self._events = BoundedList(limits.max_events)
+            self._events.append(Event(name, event_attributes, timestamp))
+
+    def add_link(self, context: trace.SpanContext, attributes: types.Attributes = None) -> None:
+        if self._ended("_add_link") or not _valid_link(context, attributes):
+            return
+        limits = self._factory.limits
+        with self._lock:
+            if not isinstance(self._links, BoundedList):
+                self._links = BoundedList.from_seq(limits.max_links, self._links)
+            self._links.append(Link(context, _link_attributes(attributes, limits)))
+
+    def update_name(self, name: str) -> None:
+        if not self._ended("update_name"):
+            self._name = name
+
+    def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
+        if self._ended("set_status"):
+            return
+        if self._status.status_code is StatusCode.OK:  # OK is final
+            return
+        if isinstance(status, Status):
+            if status.status_code is StatusCode.UNSET:
+                return
+            if description is not None:
+                log.warning(
+                    "Description %s ignored. Use either `Status` or `(StatusCode, Description)`",
+                    description,
+                )
+            self._status = status
+        elif status is not StatusCode.UNSET:
+            self._status = Status(status, description)
+
+    def record_exception(
+        self,
+        exception: BaseException,
+        attributes: types.Attributes = None,
+        timestamp: int | None = None,
+        escaped: bool = False,
+    ) -> None:
+        kind = type(exception)
+        module, qualname = kind.__module__, kind.__qualname__
+        event: dict[str, types.AttributeValue] = {
+            "exception.type": f"{module}.{qualname}"
+            if module and module != "builtins"
+            else qualname,
+            "exception.message": str(exception),
+            "exception.stacktrace": "".join(traceback.format_exception(exception)),
+            "exception.escaped": str(escaped),
+        }
+        if attributes:
+            event.update(attributes)
+        self.add_event("exception", event, timestamp)
+
+    def end(self, end_time: int | None = None) -> None:
+        with self._lock:
+            if self._end_time is not None:
+                log.warning("Calling end() on an ended span.")
+                return
+            self._end_time = end_time if end_time is not None else time_ns()
+        processor = self._factory.processor
+        on_ending = getattr(processor, "_on_ending", None)  # the SDK's OnEnding hook (>= 1.30)
+        if on_ending is not None:
+            on_ending(self)
+        processor.on_end(self)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        if exc_val is not None and self.is_recording():
+            if self._record_exception:
+                self.record_exception(exc_val, escaped=True)
+            if self._set_status_on_exception:
+                self.set_status(Status(StatusCode.ERROR, f"{type(exc_val).__name__}: {exc_val}"))
+        super().__exit__(exc_type, exc_val, exc_tb)
+
+    def _ended(self, method: str) -> bool:
+        if self._end_time is None:
+            return False
+        log.warning("Tried calling %s on an ended span.", method)
+        return True
+
+    def __repr__(self) -> str:
+        return f'{type(self).__name__}(name="{self._name}", context={self._context})'
+
+
+def _plain(attributes: Mapping[str, Any], max_count: int | None) -> bool:
+    """Attributes the SDK's validation would keep exactly as they are."""
+    if max_count is not None and len(attributes) > max_count:
+        return False
+    return all(
+        type(value) in _PLAIN_VALUES and type(key) is str and key
+        for key, value in attributes.items()
+    )
+
+
+def _span_attributes(
+    attributes: Mapping[str, types.AttributeValue], limits: SpanLimits
+) -> Mapping[str, types.AttributeValue]:
+    if limits.max_span_attribute_length is None and _plain(attributes, limits.max_span_attributes):
+        return dict(attributes)
+    return BoundedAttributes(
+        limits.max_span_attributes,
+        attributes,
+        immutable=False,
+        max_value_len=limits.max_span_attribute_length,
+    )
+
+
+def _valid_link(context: trace.SpanContext | None, attributes: types.Attributes) -> bool:
+    """The SDK's rule: a link needs a valid context, or attributes or a trace state."""
+    return bool(context and (context.is_valid or (attributes or context.trace_state)))
+
+
+def _link_attributes(attributes: types.Attributes, limits: SpanLimits) -> types.Attributes:
+    """A link's attributes as the SDK keeps them (unchanged while plain and within limits)."""
+    if not attributes or (
+        limits.max_attribute_length is None and _plain(attributes, limits.max_link_attributes)
+    ):
+        return attributes
+    return BoundedAttributes(
+        limits.max_link_attributes,
+        attributes,
+        max_value_len=limits.max_attribute_length,
+        immutable=True,
+    )
+
+
+def _span_links(links: Sequence[Link], limits: SpanLimits) -> Sequence[Link]:
+    """The links the SDK would keep, with its limits applied (the caller's are not changed)."""
+    kept: list[Link] = []
+    for link in links:
+        if link and _valid_link(link.context, link.attributes):
+            attributes = _link_attributes(link.attributes, limits)
+            kept.append(link if attributes is link.attributes else Link(link.context, attributes))
+    if limits.max_links is not None and len(kept) > limits.max_links:
+        return BoundedList.from_seq(limits.max_links, kept)
+    return kept

@@ -1,0 +1,318 @@
+"""The pipeline's own recorded spans export exactly what the SDK's spans would.
+
+Each scenario runs the pipeline's span functions twice: under a plain SDK provider (the
+SDK's ``start_span``) and under the pipeline's provider (``spans.SpanFactory``), with
+the same sampler, limits and id sequence. Every exported field must match, and so must
+the processors' calls and the SDK's warnings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+import pytest
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util._once import Once
+
+from pipeline.envelope import OutboxEvent, ReceivedEvent
+from pipeline.observability import tracing
+from pipeline.observability.spans import PipelineTracerProvider, RecordedSpan
+
+RESOURCE = Resource.create({"service.name": "pipeline-test"})
+
+
+class _CountingIds(IdGenerator):
+    """The same id sequence for both providers (trace ids alternate low and high halves)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def generate_span_id(self) -> int:
+        self.n += 1
+        return 0x1000 + self.n
+
+    def generate_trace_id(self) -> int:
+        self.n += 1
+        high = self.n % 2 == 0  # TraceIdRatioBased(0.5) samples only the low ones
+        return (0xF << 124 if high else 0) | self.n
+
+
+class _RecordOnly(Sampler):
+    """Records without sampling, and adds attributes of its own (one a sequence)."""
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None):  # type: ignore[no-untyped-def]
+        extra = {**(attributes or {}), "sampler.tags": ["a", "b"], "sampler.ratio": 0.5}
+        return SamplingResult(Decision.RECORD_ONLY, extra)
+
+    def get_description(self) -> str:
+        return "record-only"
+
+
+class _Recorder(SpanProcessor):
+    """Every started and ended span, sampled or not (the batch processor skips unsampled)."""
+
+    def __init__(self) -> None:
+        self.started: list[str] = []
+        self.ended: list[ReadableSpan] = []
+
+    def on_start(self, span: Any, parent_context: otel_context.Context | None = None) -> None:
+        self.started.append(f"{span.name} recording={span.is_recording()}")
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self.ended.append(span)
+
+
+@pytest.fixture
+def installed() -> Iterator[Callable[[TracerProvider], None]]:
+    """Install a provider globally for one scenario (OpenTelemetry allows one per process)."""
+    saved = trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE
+
+    def install(provider: TracerProvider) -> None:
+        trace._TRACER_PROVIDER_SET_ONCE = Once()
+        trace._TRACER_PROVIDER = None
+        trace.set_tracer_provider(provider)
+        tracing._tracer.cache_clear()
+
+    yield install
+    trace._TRACER_PROVIDER, trace._TRACER_PROVIDER_SET_ONCE = saved
+    tracing._tracer.cache_clear()
+
+
+def _outbox_event(traceparent: str | None, n: int) -> OutboxEvent:
+    headers = {"traceparent": traceparent} if traceparent else {}
+    return OutboxEvent(
+        id=uuid.UUID(int=n),
+        seq=n,
+        aggregate_type=None,
+        aggregate_id=None,
+        ordering_key=None,
+        event_type="order.placed",
+        event_version=1,
+        payload_json="{}",
+        headers_json=json.dumps(headers),
+        attempts=0,
+        created_at=datetime(2026, 1, 1, tzinfo=UTC),
+    )
+
+
+def _workflow() -> None:
+    """Every span the pipeline makes, with each way it changes them."""
+    app = trace.get_tracer("app").start_span("checkout")
+    parent = trace.set_span_in_context(app)
+    created = [
+        tracing.start_create_span(
+            "order.placed", uuid.UUID(int=n), parent=parent, correlation_id="c"
+        )
+        for n in (1, 2)
+    ]
+    headers = [tracing.span_headers(span) for span in created]
+    for span in created:
+        span.end()
+    root = tracing.start_create_span("order.placed", uuid.UUID(int=3))  # a trace of its own
+    headers.append(tracing.span_headers(root))
+    root.end()
+    app.end()
+
+    one_trace = [_outbox_event(headers[0].get("traceparent"), 1)]
+    mixed = [_outbox_event(h.get("traceparent"), n) for n, h in enumerate(headers, 1)]
+    mixed.append(_outbox_event(None, 9))  # no stored context: no link
+    with tracing.send_span("pipeline.billing", one_trace):
+        pass
+    with tracing.send_span("pipeline.billing", mixed) as send:
+        tracing.record_send_outcome(send, ConnectionError("refused"))
+    with pytest.raises(RuntimeError), tracing.send_span("pipeline.billing", one_trace):
+        raise RuntimeError("broker down")
+
+    def received(h: dict[str, str]) -> ReceivedEvent:
+        return ReceivedEvent(
+            id=uuid.UUID(int=1),
+            type="order.placed",
+            version=1,
+            data={},
+            source="test",
+            time="2026-01-01T00:00:00Z",
+            seq=1,
+            correlation_id="c",
+            traceparent=h.get("traceparent"),
+        )
+
+    with tracing.process_span(received(headers[0]), "billing", 1) as span:
+        tracing.mark_duplicate(span)
+    with tracing.process_span(received(headers[2]), "billing", 2) as span:
+        current = trace.get_current_span()
+        current.set_attribute("app.user", "u1")
+        current.set_attributes({"app.n": 3, "app.list": [1, 2], "app.long": "x" * 40})
+        current.add_event("app.step", {"k": "v", "n": 1}, timestamp=123)
+        current.add_link(created[0].get_span_context(), {"why": "because"})
+        current.update_name("process order.placed (renamed)")
+        current.record_exception(ValueError("bad"), {"extra": True}, timestamp=456)
+        tracing.record_retry(span, TimeoutError(), 1.5)
+        follow = tracing.start_create_span("order.paid", uuid.UUID(int=4))  # child of process
+        follow.end()
+    with tracing.process_span(received({}), "billing", 3) as span:  # no stored context
+        tracing.record_dead_letter(span, "handler failed 5 times")
+        span.set_status(Status(StatusCode.OK))
+        span.set_status(StatusCode.ERROR, "ignored: OK is final")
+    with pytest.raises(KeyError), tracing.process_span(received(headers[1]), "billing", 4):
+        raise KeyError("secret-payload-value")
+    with tracing.process_span(received(headers[1]), "billing", 5) as span:
+        span.set_status(StatusCode.ERROR, "described")
+        span.set_status(Status(StatusCode.ERROR), "ignored description")
+    span.set_attribute("after", "end")  # refused, with the SDK's warning
+    span.add_event("after")
+    span.update_name("after")
+    span.set_status(StatusCode.OK)
+    span.end()
+
+
+def _exported(span: ReadableSpan) -> dict[str, Any]:
+    def context(c: trace.SpanContext | None) -> Any:
+        if c is None:
+            return None
+        return (c.trace_id, c.span_id, int(c.trace_flags), c.trace_state.to_header(), c.is_remote)
+
+    def attributes(a: Any) -> Any:
+        return sorted(
+            (k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in (a or {}).items()
+        )
+
+    scope = span.instrumentation_scope
+    return {
+        "name": span.name,
+        "context": context(span.context),
+        "parent": context(span.parent),
+        "kind": span.kind,
+        "attributes": attributes(span.attributes),
+        "dropped_attributes": span.dropped_attributes,
+        "events": [
+            (
+                e.name,
+                attributes(e.attributes),
+                e.dropped_attributes,
+                e.timestamp if e.timestamp in (123, 456) else "now",
+            )
+            for e in span.events
+        ],
+        "dropped_events": span.dropped_events,
+        "links": [
+            (context(link.context), attributes(link.attributes), link.dropped_attributes)
+            for link in span.links
+        ],
+        "dropped_links": span.dropped_links,
+        "status": (span.status.status_code, span.status.description),
+        "resource": dict(span.resource.attributes),
+        "scope": (scope.name, scope.version) if scope else None,
+        "timed": span.start_time is not None
+        and span.end_time is not None
+        and span.start_time <= span.end_time,
+    }
+
+
+def _run(
+    provider_class: type[TracerProvider],
+    sampler: Sampler,
+    limits: SpanLimits,
+    install: Callable[[TracerProvider], None],
+    caplog: pytest.LogCaptureFixture,
+) -> tuple[list[str], list[dict[str, Any]], list[str]]:
+    provider = provider_class(
+        sampler=sampler, resource=RESOURCE, id_generator=_CountingIds(), span_limits=limits
+    )
+    recorder = _Recorder()
+    provider.add_span_processor(recorder)
+    install(provider)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="opentelemetry"):
+        _workflow()
+    warnings = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry")]
+    pipeline_spans = [
+        s
+        for s in recorder.ended
+        if s.instrumentation_scope and s.instrumentation_scope.name == "pipeline"
+    ]
+    return recorder.started, [_exported(s) for s in pipeline_spans], warnings
+
+
+SAMPLERS = {
+    "parentbased_always_on": ParentBased(ALWAYS_ON),
+    "traceidratio": TraceIdRatioBased(0.5),
+    "parentbased_traceidratio": ParentBased(TraceIdRatioBased(0.5)),
+    "always_off": ALWAYS_OFF,
+    "record_only": _RecordOnly(),
+}
+LIMITS = {
+    "default": SpanLimits(),
+    "tight": SpanLimits(
+        max_span_attributes=4,
+        max_span_attribute_length=5,
+        max_events=1,
+        max_links=1,
+        max_event_attributes=1,
+        max_link_attributes=0,
+        max_attribute_length=3,
+    ),
+}
+
+
+@pytest.mark.parametrize("limits", LIMITS.values(), ids=LIMITS.keys())
+@pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+def test_the_pipelines_spans_export_what_the_sdks_would(
+    sampler: Sampler,
+    limits: SpanLimits,
+    installed: Callable[[TracerProvider], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    expected = _run(TracerProvider, sampler, limits, installed, caplog)
+    actual = _run(PipelineTracerProvider, sampler, limits, installed, caplog)
+    assert len(actual[1]) == len(expected[1])
+    for ours, sdks in zip(actual[1], expected[1], strict=True):  # exported, field by field
+        assert {k: v for k, v in ours.items() if v != sdks[k]} == {}, sdks["name"]
+    assert actual[0] == [s for s in expected[0]]  # processors' on_start calls
+    assert actual[2] == expected[2]  # the SDK's warnings (ended spans)
+    if sampler is not ALWAYS_OFF:
+        assert len(actual[1]) >= 10
+
+
+def test_the_pipelines_provider_records_with_its_own_spans(
+    installed: Callable[[TracerProvider], None],
+) -> None:
+    """Guards the comparison above: it must run the factory, not the SDK's spans."""
+    provider = PipelineTracerProvider(resource=RESOURCE)
+    recorder = _Recorder()
+    provider.add_span_processor(recorder)
+    installed(provider)
+    span = tracing.start_create_span("order.placed", uuid.UUID(int=1))
+    assert isinstance(span, RecordedSpan)
+    span.end()
+    assert recorder.ended == [span]
+    assert recorder.started == ["create order.placed recording=True"]
+
+
+def test_without_a_processor_nothing_is_recorded(
+    installed: Callable[[TracerProvider], None],
+) -> None:
+    provider = PipelineTracerProvider(resource=RESOURCE)
+    installed(provider)
+    span = tracing.start_create_span("order.placed", uuid.UUID(int=1))
+    assert not span.is_recording() and span.get_span_context().is_valid
+    with tracing.send_span("pipeline.billing", [_outbox_event(None, 1)]) as send:
+        assert send is trace.INVALID_SPAN
