@@ -38,6 +38,7 @@ from opentelemetry.sdk.trace import (
     SynchronousMultiSpanProcessor,
     TracerProvider,
 )
+from opentelemetry.sdk.trace.sampling import Decision
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
@@ -47,9 +48,10 @@ log = logging.getLogger("opentelemetry.sdk.trace")  # the SDK's own warnings, sa
 
 SCOPE_NAME = "pipeline"
 _PLAIN_VALUES = frozenset({str, bool, int, float})  # validated as they are (no length limit)
-# W3C trace-context level 2's random-trace-id flag, where the installed OpenTelemetry
-# knows it (newer than the oldest release pyproject allows).
-_RANDOM_FLAG: int = getattr(trace.TraceFlags, "RANDOM_TRACE_ID", 0)
+# The decisions, compared by identity: ``Decision.is_recording()`` costs more than a span id.
+_SAMPLED = Decision.RECORD_AND_SAMPLE
+_RECORDED_ONLY = Decision.RECORD_ONLY
+_RANDOM_FLAG = trace.TraceFlags.RANDOM_TRACE_ID  # W3C trace-context level 2
 
 
 class PipelineTracerProvider(TracerProvider):
@@ -103,10 +105,8 @@ class SpanFactory:
         trace_id = ids.generate_trace_id() if root else parent_span.trace_id
         sampled = provider.sampler.should_sample(parent, trace_id, name, kind, attributes, links)
         decision = sampled.decision
-        flags = trace.TraceFlags.SAMPLED if decision.is_sampled() else trace.TraceFlags.DEFAULT  # type: ignore[no-untyped-call]
-        if _RANDOM_FLAG and (
-            ids.is_trace_id_random() if root else parent_span.trace_flags.random_trace_id
-        ):
+        flags = trace.TraceFlags.SAMPLED if decision is _SAMPLED else trace.TraceFlags.DEFAULT
+        if ids.is_trace_id_random() if root else parent_span.trace_flags.random_trace_id:
             flags |= _RANDOM_FLAG
         context = trace.SpanContext(
             trace_id,
@@ -115,7 +115,7 @@ class SpanFactory:
             trace_flags=trace.TraceFlags(flags),
             trace_state=sampled.trace_state,
         )
-        if not (self.recording and decision.is_recording()):  # type: ignore[no-untyped-call]
+        if not self.recording or (decision is not _SAMPLED and decision is not _RECORDED_ONLY):
             return trace.NonRecordingSpan(context)
         span = RecordedSpan(
             self,
@@ -285,7 +285,7 @@ class RecordedSpan(trace.Span, ReadableSpan):
                 return
             self._end_time = end_time if end_time is not None else time_ns()
         processor = self._factory.processor
-        on_ending = getattr(processor, "_on_ending", None)  # the SDK's OnEnding hook (>= 1.30)
+        on_ending = getattr(processor, "_on_ending", None)  # the SDK's (private) OnEnding hook
         if on_ending is not None:
             on_ending(self)
         processor.on_end(self)

@@ -214,7 +214,11 @@ def _exported(span: ReadableSpan) -> dict[str, Any]:
         ],
         "dropped_events": span.dropped_events,
         "links": [
-            (context(link.context), attributes(link.attributes), link.dropped_attributes)
+            (
+                context(link.context),
+                attributes(link.attributes),
+                getattr(link, "dropped_attributes", 0),
+            )
             for link in span.links
         ],
         "dropped_links": span.dropped_links,

@@ -295,8 +295,11 @@ def test_stored_traceparents_are_read_as_opentelemetrys_propagator_reads_them(tr
     from opentelemetry import trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    from pipeline.observability.tracing import remote_span_context
+    from pipeline.observability.tracing import TRACEPARENT_MAX_LENGTH, remote_span_context
 
+    if len(traceparent) > TRACEPARENT_MAX_LENGTH:  # OpenTelemetry >= 1.45.2 rejects it too
+        assert remote_span_context(traceparent, "k=v") is None
+        return
     for tracestate in ("k=v,a=b", "k=" + "v" * 9000):
         carrier = {"traceparent": traceparent, "tracestate": tracestate}
         expected = trace.get_current_span(TraceContextTextMapPropagator().extract(carrier))
