@@ -20,8 +20,10 @@ spans.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from time import time_ns
 from types import TracebackType
@@ -30,6 +32,8 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.environment_variables import OTEL_SDK_DISABLED
+from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import (
     Event,
     ReadableSpan,
@@ -38,9 +42,10 @@ from opentelemetry.sdk.trace import (
     SynchronousMultiSpanProcessor,
     TracerProvider,
 )
-from opentelemetry.sdk.trace.sampling import Decision
+from opentelemetry.sdk.trace.id_generator import IdGenerator
+from opentelemetry.sdk.trace.sampling import Decision, Sampler
 from opentelemetry.sdk.util import BoundedList
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.sdk.util.instrumentation import InstrumentationInfo, InstrumentationScope
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from opentelemetry.util import types
 
@@ -55,16 +60,33 @@ _RANDOM_FLAG = trace.TraceFlags.RANDOM_TRACE_ID  # W3C trace-context level 2
 
 
 class PipelineTracerProvider(TracerProvider):
-    """The SDK's provider, whose pipeline spans its :class:`SpanFactory` makes."""
+    """The SDK's provider, whose pipeline spans its :class:`SpanFactory` makes.
 
-    def __init__(self, *, span_limits: SpanLimits | None = None, **options: Any) -> None:
+    ``pipeline_spans`` is ``None`` when ``OTEL_SDK_DISABLED`` is true: the SDK's tracers
+    are then no-ops, and so are the pipeline's spans. Its processors are the ones added
+    with ``add_span_processor`` (called in order, as the SDK's default processor does).
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler | None = None,
+        resource: Resource | None = None,
+        shutdown_on_exit: bool = True,
+        active_span_processor: None = None,
+        id_generator: IdGenerator | None = None,
+        span_limits: SpanLimits | None = None,
+    ) -> None:
+        if active_span_processor is not None:
+            raise TypeError("PipelineTracerProvider takes its processors from add_span_processor")
         limits = span_limits if span_limits is not None else SpanLimits()
-        super().__init__(span_limits=limits, **options)
-        self.pipeline_spans = SpanFactory(self, limits)
+        super().__init__(sampler, resource, shutdown_on_exit, None, id_generator, limits)
+        disabled = os.environ.get(OTEL_SDK_DISABLED, "").strip().lower() == "true"
+        self.pipeline_spans = None if disabled else SpanFactory(self, limits)
 
     def add_span_processor(self, span_processor: SpanProcessor) -> None:
         super().add_span_processor(span_processor)
-        self.pipeline_spans.add_processor(span_processor)
+        if self.pipeline_spans is not None:
+            self.pipeline_spans.add_processor(span_processor)
 
 
 class SpanFactory:
@@ -74,6 +96,9 @@ class SpanFactory:
         self.provider = provider
         self.limits = limits
         self.scope = InstrumentationScope(SCOPE_NAME, "")  # as the SDK names an unversioned tracer
+        with warnings.catch_warnings():  # deprecated, but the SDK's spans still carry it
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.info = InstrumentationInfo(SCOPE_NAME, "")
         self.processor = SynchronousMultiSpanProcessor()  # type: ignore[no-untyped-call]
         self.recording = False  # until a processor is added nothing would read a span
 
@@ -98,6 +123,7 @@ class SpanFactory:
         recorded when a processor is installed and the sampler says so; otherwise it is
         a ``NonRecordingSpan`` with the ids, flags and trace state the SDK would give it.
         """
+        links = links or ()  # as the SDK hands them to the sampler
         provider = self.provider
         ids = provider.id_generator
         parent_span = trace.get_current_span(parent).get_span_context()
@@ -164,6 +190,7 @@ class RecordedSpan(trace.Span, ReadableSpan):
             attributes=_span_attributes(attributes, limits),
             links=_span_links(links, limits),
             kind=kind,
+            instrumentation_info=factory.info,
             instrumentation_scope=factory.scope,
             start_time=time_ns(),
         )
@@ -213,36 +240,53 @@ class RecordedSpan(trace.Span, ReadableSpan):
     def add_event(
         self, name: str, attributes: types.Attributes = None, timestamp: int | None = None
     ) -> None:
-        if self._ended("_add_event"):
-            return
         limits = self._factory.limits
-        event_attributes = BoundedAttributes(
-            limits.max_event_attributes,
-            attributes,
-            max_value_len=limits.max_attribute_length,
-            immutable=True,
+        event = Event(
+            name,
+            BoundedAttributes(
+                limits.max_event_attributes,
+                attributes,
+                max_value_len=limits.max_attribute_length,
+                immutable=True,
+            ),
+            timestamp,
         )
         with self._lock:
-            if not isinstance(self._events, BoundedList):
-                self._events = BoundedList(limits.max_events)
-            self._events.append(Event(name, event_attributes, timestamp))
+            ended = self._end_time is not None
+            if not ended:
+                if not isinstance(self._events, BoundedList):
+                    self._events = BoundedList(limits.max_events)
+                self._events.append(event)
+        self._warn_if_ended(ended, "_add_event")
 
     def add_link(self, context: trace.SpanContext, attributes: types.Attributes = None) -> None:
-        if self._ended("_add_link") or not _valid_link(context, attributes):
+        if not _valid_link(context, attributes):
             return
         limits = self._factory.limits
+        link = Link(context, _link_attributes(attributes, limits))
         with self._lock:
-            if not isinstance(self._links, BoundedList):
-                self._links = BoundedList.from_seq(limits.max_links, self._links)
-            self._links.append(Link(context, _link_attributes(attributes, limits)))
+            ended = self._end_time is not None
+            if not ended:
+                if not isinstance(self._links, BoundedList):
+                    self._links = BoundedList.from_seq(limits.max_links, self._links)
+                self._links.append(link)
+        self._warn_if_ended(ended, "_add_link")
 
     def update_name(self, name: str) -> None:
-        if not self._ended("update_name"):
-            self._name = name
+        with self._lock:
+            ended = self._end_time is not None
+            if not ended:
+                self._name = name
+        self._warn_if_ended(ended, "update_name")
 
     def set_status(self, status: Status | StatusCode, description: str | None = None) -> None:
-        if self._ended("set_status"):
-            return
+        with self._lock:
+            ended = self._end_time is not None
+            if not ended:
+                self._set_status(status, description)
+        self._warn_if_ended(ended, "set_status")
+
+    def _set_status(self, status: Status | StatusCode, description: str | None) -> None:
         if self._status.status_code is StatusCode.OK:  # OK is final
             return
         if isinstance(status, Status):
@@ -254,7 +298,7 @@ class RecordedSpan(trace.Span, ReadableSpan):
                     description,
                 )
             self._status = status
-        elif status is not StatusCode.UNSET:
+        elif isinstance(status, StatusCode) and status is not StatusCode.UNSET:
             self._status = Status(status, description)
 
     def record_exception(
@@ -303,11 +347,11 @@ class RecordedSpan(trace.Span, ReadableSpan):
                 self.set_status(Status(StatusCode.ERROR, f"{type(exc_val).__name__}: {exc_val}"))
         super().__exit__(exc_type, exc_val, exc_tb)
 
-    def _ended(self, method: str) -> bool:
-        if self._end_time is None:
-            return False
-        log.warning("Tried calling %s on an ended span.", method)
-        return True
+    @staticmethod
+    def _warn_if_ended(ended: bool, method: str) -> None:
+        """The SDK's warning for a change to an ended span (logged outside the lock)."""
+        if ended:
+            log.warning("Tried calling %s on an ended span.", method)
 
     def __repr__(self) -> str:
         return f'{type(self).__name__}(name="{self._name}", context={self._context})'
@@ -342,11 +386,11 @@ def _valid_link(context: trace.SpanContext | None, attributes: types.Attributes)
 
 
 def _link_attributes(attributes: types.Attributes, limits: SpanLimits) -> types.Attributes:
-    """A link's attributes as the SDK keeps them (unchanged while plain and within limits)."""
-    if not attributes or (
-        limits.max_attribute_length is None and _plain(attributes, limits.max_link_attributes)
-    ):
-        return attributes
+    """A link's attributes as the SDK keeps them: a copy, validated unless plain and in limits."""
+    if not attributes:
+        return {}
+    if limits.max_attribute_length is None and _plain(attributes, limits.max_link_attributes):
+        return dict(attributes)
     return BoundedAttributes(
         limits.max_link_attributes,
         attributes,
@@ -360,8 +404,7 @@ def _span_links(links: Sequence[Link], limits: SpanLimits) -> Sequence[Link]:
     kept: list[Link] = []
     for link in links:
         if link and _valid_link(link.context, link.attributes):
-            attributes = _link_attributes(link.attributes, limits)
-            kept.append(link if attributes is link.attributes else Link(link.context, attributes))
+            kept.append(Link(link.context, _link_attributes(link.attributes, limits)))
     if limits.max_links is not None and len(kept) > limits.max_links:
         return BoundedList.from_seq(limits.max_links, kept)
     return kept

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
@@ -137,6 +138,8 @@ def _workflow() -> None:
     mixed.append(_outbox_event(None, 9))  # no stored context: no link
     with tracing.send_span("pipeline.billing", one_trace):
         pass
+    with tracing.send_span("pipeline.billing", [_outbox_event(None, 8)]):  # no links at all
+        pass
     with tracing.send_span("pipeline.billing", mixed) as send:
         tracing.record_send_outcome(send, ConnectionError("refused"))
     with pytest.raises(RuntimeError), tracing.send_span("pipeline.billing", one_trace):
@@ -163,6 +166,8 @@ def _workflow() -> None:
         current.set_attributes({"app.n": 3, "app.list": [1, 2], "app.long": "x" * 40})
         current.add_event("app.step", {"k": "v", "n": 1}, timestamp=123)
         current.add_link(created[0].get_span_context(), {"why": "because"})
+        current.add_link(created[1].get_span_context())  # no attributes
+        current.add_link(trace.INVALID_SPAN_CONTEXT)  # invalid: dropped
         current.update_name("process order.placed (renamed)")
         current.record_exception(ValueError("bad"), {"extra": True}, timestamp=456)
         tracing.record_retry(span, TimeoutError(), 1.5)
@@ -177,6 +182,7 @@ def _workflow() -> None:
     with tracing.process_span(received(headers[1]), "billing", 5) as span:
         span.set_status(StatusCode.ERROR, "described")
         span.set_status(Status(StatusCode.ERROR), "ignored description")
+        span.set_status("not a status")  # type: ignore[arg-type]  # ignored
     span.set_attribute("after", "end")  # refused, with the SDK's warning
     span.add_event("after")
     span.update_name("after")
@@ -191,12 +197,21 @@ def _exported(span: ReadableSpan) -> dict[str, Any]:
         return (c.trace_id, c.span_id, int(c.trace_flags), c.trace_state.to_header(), c.is_remote)
 
     def attributes(a: Any) -> Any:
-        return sorted(
-            (k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in (a or {}).items()
-        )
+        if a is None:
+            return None
+        return sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in a.items())
 
     scope = span.instrumentation_scope
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        info = span.instrumentation_info
+    as_json = json.loads(span.to_json())  # what the console exporter prints
+    del as_json["start_time"], as_json["end_time"]
+    for event in as_json["events"]:
+        event["timestamp"] = None
     return {
+        "json": as_json,
+        "info": (info.name, info.version) if info else None,
         "name": span.name,
         "context": context(span.context),
         "parent": context(span.parent),
@@ -231,15 +246,42 @@ def _exported(span: ReadableSpan) -> dict[str, Any]:
     }
 
 
+class _Spy(Sampler):
+    """Records what the sampler is asked (the pipeline must ask what the SDK asks)."""
+
+    def __init__(self, inner: Sampler) -> None:
+        self.inner = inner
+        self.calls: list[Any] = []
+
+    def should_sample(self, parent_context, trace_id, name, kind=None, attributes=None, links=None):  # type: ignore[no-untyped-def]
+        parent = trace.get_current_span(parent_context).get_span_context()
+        self.calls.append(
+            (
+                parent.span_id,
+                trace_id,
+                name,
+                kind,
+                sorted((attributes or {}).items()),
+                type(links).__name__,
+                [(link.context.span_id, dict(link.attributes or {})) for link in links or ()],
+            )
+        )
+        return self.inner.should_sample(parent_context, trace_id, name, kind, attributes, links)
+
+    def get_description(self) -> str:
+        return self.inner.get_description()
+
+
 def _run(
     provider_class: type[TracerProvider],
     sampler: Sampler,
     limits: SpanLimits,
     install: Callable[[TracerProvider], None],
     caplog: pytest.LogCaptureFixture,
-) -> tuple[list[str], list[dict[str, Any]], list[str]]:
+) -> tuple[list[str], list[dict[str, Any]], list[str], list[Any]]:
+    spy = _Spy(sampler)
     provider = provider_class(
-        sampler=sampler, resource=RESOURCE, id_generator=_CountingIds(), span_limits=limits
+        sampler=spy, resource=RESOURCE, id_generator=_CountingIds(), span_limits=limits
     )
     recorder = _Recorder()
     provider.add_span_processor(recorder)
@@ -253,7 +295,8 @@ def _run(
         for s in recorder.ended
         if s.instrumentation_scope and s.instrumentation_scope.name == "pipeline"
     ]
-    return recorder.started, [_exported(s) for s in pipeline_spans], warnings
+    exported = [_exported(s) for s in pipeline_spans]
+    return recorder.started, exported, warnings, spy.calls
 
 
 SAMPLERS = {
@@ -274,6 +317,14 @@ LIMITS = {
         max_link_attributes=0,
         max_attribute_length=3,
     ),
+    "counts": SpanLimits(max_span_attributes=4, max_events=1, max_links=1, max_link_attributes=0),
+    "unlimited": SpanLimits(
+        max_span_attributes=SpanLimits.UNSET,
+        max_events=SpanLimits.UNSET,
+        max_links=SpanLimits.UNSET,
+        max_event_attributes=SpanLimits.UNSET,
+        max_link_attributes=SpanLimits.UNSET,
+    ),
 }
 
 
@@ -290,8 +341,9 @@ def test_the_pipelines_spans_export_what_the_sdks_would(
     assert len(actual[1]) == len(expected[1])
     for ours, sdks in zip(actual[1], expected[1], strict=True):  # exported, field by field
         assert {k: v for k, v in ours.items() if v != sdks[k]} == {}, sdks["name"]
-    assert actual[0] == [s for s in expected[0]]  # processors' on_start calls
+    assert actual[0] == expected[0]  # processors' on_start calls
     assert actual[2] == expected[2]  # the SDK's warnings (ended spans)
+    assert actual[3] == expected[3]  # what the sampler was asked
     if sampler is not ALWAYS_OFF:
         assert len(actual[1]) >= 10
 
@@ -320,3 +372,27 @@ def test_without_a_processor_nothing_is_recorded(
     assert not span.is_recording() and span.get_span_context().is_valid
     with tracing.send_span("pipeline.billing", [_outbox_event(None, 1)]) as send:
         assert send is trace.INVALID_SPAN
+
+
+def test_with_the_sdk_disabled_nothing_is_recorded(
+    installed: Callable[[TracerProvider], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    provider = PipelineTracerProvider(resource=RESOURCE)
+    recorder = _Recorder()
+    provider.add_span_processor(recorder)
+    installed(provider)
+    span = tracing.start_create_span("order.placed", uuid.UUID(int=1))
+    span.end()
+    with tracing.send_span("pipeline.billing", [_outbox_event(None, 1)]):
+        pass
+    assert provider.pipeline_spans is None
+    assert not span.is_recording()
+    assert recorder.started == [] and recorder.ended == []
+
+
+def test_processors_come_only_from_add_span_processor() -> None:
+    from opentelemetry.sdk.trace import SynchronousMultiSpanProcessor
+
+    with pytest.raises(TypeError, match="add_span_processor"):
+        PipelineTracerProvider(active_span_processor=SynchronousMultiSpanProcessor())  # type: ignore[arg-type]
