@@ -22,27 +22,20 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.sdk.trace.sampling import (
-    ALWAYS_OFF,
-    ALWAYS_ON,
-    Decision,
-    ParentBased,
-    Sampler,
-    SamplingResult,
-    TraceIdRatioBased,
-)
+from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, Decision, Sampler, SamplingResult
 from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util._once import Once
 
 from pipeline.envelope import OutboxEvent, ReceivedEvent
 from pipeline.observability import tracing
 from pipeline.observability.spans import PipelineTracerProvider, RecordedSpan
+from tests.unit.samplers import BUILT_IN_SAMPLERS
 
 RESOURCE = Resource.create({"service.name": "pipeline-test"})
 
 
 class _CountingIds(IdGenerator):
-    """The same id sequence for both providers (trace ids alternate low and high halves)."""
+    """The same id sequence for both providers; every other trace id is not sampled at 0.5."""
 
     def __init__(self) -> None:
         self.n = 0
@@ -53,8 +46,8 @@ class _CountingIds(IdGenerator):
 
     def generate_trace_id(self) -> int:
         self.n += 1
-        high = self.n % 2 == 0  # TraceIdRatioBased(0.5) samples only the low ones
-        return (0xF << 124 if high else 0) | self.n
+        unsampled = self.n % 2 == 0  # TraceIdRatioBased compares the low 64 bits
+        return (0xFFFF_FFFF_0000_0000 if unsampled else 0) | self.n
 
 
 class _RecordOnly(Sampler):
@@ -299,13 +292,7 @@ def _run(
     return recorder.started, exported, warnings, spy.calls
 
 
-SAMPLERS = {
-    "parentbased_always_on": ParentBased(ALWAYS_ON),
-    "traceidratio": TraceIdRatioBased(0.5),
-    "parentbased_traceidratio": ParentBased(TraceIdRatioBased(0.5)),
-    "always_off": ALWAYS_OFF,
-    "record_only": _RecordOnly(),
-}
+SAMPLERS = {**BUILT_IN_SAMPLERS, "record_only": _RecordOnly()}
 LIMITS = {
     "default": SpanLimits(),
     "tight": SpanLimits(
@@ -396,3 +383,14 @@ def test_processors_come_only_from_add_span_processor() -> None:
 
     with pytest.raises(TypeError, match="add_span_processor"):
         PipelineTracerProvider(active_span_processor=SynchronousMultiSpanProcessor())  # type: ignore[arg-type]
+
+
+def test_the_ratio_sampler_sees_both_sides(
+    installed: Callable[[TracerProvider], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Guards the comparison: under ratio sampling some traces are recorded, some not."""
+    everything = _run(
+        PipelineTracerProvider, SAMPLERS["parentbased_always_on"], SpanLimits(), installed, caplog
+    )
+    ratio = _run(PipelineTracerProvider, SAMPLERS["traceidratio"], SpanLimits(), installed, caplog)
+    assert 0 < len(ratio[1]) < len(everything[1])

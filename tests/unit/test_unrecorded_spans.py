@@ -7,18 +7,11 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
-from opentelemetry.sdk.trace.sampling import (
-    ALWAYS_OFF,
-    ALWAYS_ON,
-    Decision,
-    ParentBased,
-    Sampler,
-    SamplingResult,
-    TraceIdRatioBased,
-)
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import SpanKind, TraceFlags, TraceState
 
 from pipeline.observability.spans import PipelineTracerProvider
+from tests.unit.samplers import BUILT_IN_SAMPLERS
 
 LOW_TRACE_ID = 0x0000000000000000_0FFFFFFFFFFFFFFF  # sampled at ratio 0.5
 HIGH_TRACE_ID = 0xFFFFFFFFFFFFFFFF_FFFFFFFFFFFFFFFF  # not sampled at ratio 0.5
@@ -64,23 +57,10 @@ def _parent(flags: int | None, trace_id: int, state: str = "") -> otel_context.C
     return trace.set_span_in_context(trace.NonRecordingSpan(span_context))
 
 
-@pytest.mark.parametrize(
-    "sampler",
-    [
-        ParentBased(ALWAYS_ON),  # the SDK's default
-        TraceIdRatioBased(0.5),
-        ParentBased(TraceIdRatioBased(0.5)),
-        ALWAYS_OFF,
-        _StateWriter(),
-    ],
-    ids=[
-        "parentbased_always_on",
-        "traceidratio",
-        "parentbased_traceidratio",
-        "always_off",
-        "state-writer",
-    ],
-)
+SAMPLERS = {**BUILT_IN_SAMPLERS, "state-writer": _StateWriter()}
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
 @pytest.mark.parametrize(
     ("parent_flags", "state"),
     [(None, ""), (-1, ""), (0x01, ""), (0x00, ""), (0x01, "vendor=abc"), (0x03, "")],
