@@ -394,3 +394,58 @@ def test_the_ratio_sampler_sees_both_sides(
     )
     ratio = _run(PipelineTracerProvider, SAMPLERS["traceidratio"], SpanLimits(), installed, caplog)
     assert 0 < len(ratio[1]) < len(everything[1])
+
+
+def test_spans_from_many_threads_are_each_exported_once_with_their_parents(
+    installed: Callable[[TracerProvider], None],
+) -> None:
+    """Handler threads share the factory and processors: nothing lost, mixed or repeated."""
+    import threading
+
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = PipelineTracerProvider(resource=RESOURCE)
+    provider.add_span_processor(BatchSpanProcessor(exporter, max_queue_size=100_000))
+    installed(provider)
+    threads, per_thread = 8, 250
+
+    def handle(worker: int) -> None:
+        for n in range(per_thread):
+            created = tracing.start_create_span("order.placed", uuid.UUID(int=worker * 1000 + n))
+            headers = tracing.span_headers(created)
+            created.end()
+            event = ReceivedEvent(
+                id=uuid.UUID(int=worker * 1000 + n),
+                type="order.placed",
+                version=1,
+                data={},
+                source="test",
+                time="2026-01-01T00:00:00Z",
+                seq=n,
+                traceparent=headers["traceparent"],
+            )
+            with tracing.process_span(event, f"consumer-{worker}", 1):
+                tracing.start_create_span("order.paid", uuid.UUID(int=n)).end()
+
+    workers = [threading.Thread(target=handle, args=(w,)) for w in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+    provider.force_flush()
+    spans = exporter.get_finished_spans()
+    assert len(spans) == threads * per_thread * 3
+    assert len({span.context.span_id for span in spans}) == len(spans)
+    by_id = {span.context.span_id: span for span in spans}
+    processes = [span for span in spans if span.name == "process order.placed"]
+    follow_ups = [span for span in spans if span.name == "create order.paid"]
+    assert len(processes) == len(follow_ups) == threads * per_thread
+    for follow_up in follow_ups:  # each follow-up is the child of its own thread's span
+        parent = by_id[follow_up.parent.span_id]
+        assert parent.name == "process order.placed"
+        assert parent.context.trace_id == follow_up.context.trace_id
+    for process in processes:  # each process span continues its event's create span
+        assert by_id[process.parent.span_id].name == "create order.placed"
+    provider.shutdown()
