@@ -108,6 +108,21 @@ def _outbox_event(traceparent: str | None, n: int) -> OutboxEvent:
     )
 
 
+def _received(traceparent: str | None, event_id: int = 1, seq: int = 1) -> ReceivedEvent:
+    """An event as a worker receives it, carrying the stored creation context."""
+    return ReceivedEvent(
+        id=uuid.UUID(int=event_id),
+        type="order.placed",
+        version=1,
+        data={},
+        source="test",
+        time="2026-01-01T00:00:00Z",
+        seq=seq,
+        correlation_id="c",
+        traceparent=traceparent,
+    )
+
+
 def _workflow() -> None:
     """Every span the pipeline makes, with each way it changes them."""
     app = trace.get_tracer("app").start_span("checkout")
@@ -138,22 +153,10 @@ def _workflow() -> None:
     with pytest.raises(RuntimeError), tracing.send_span("pipeline.billing", one_trace):
         raise RuntimeError("broker down")
 
-    def received(h: dict[str, str]) -> ReceivedEvent:
-        return ReceivedEvent(
-            id=uuid.UUID(int=1),
-            type="order.placed",
-            version=1,
-            data={},
-            source="test",
-            time="2026-01-01T00:00:00Z",
-            seq=1,
-            correlation_id="c",
-            traceparent=h.get("traceparent"),
-        )
-
-    with tracing.process_span(received(headers[0]), "billing", 1) as span:
+    stored = [h.get("traceparent") for h in headers]
+    with tracing.process_span(_received(stored[0]), "billing", 1) as span:
         tracing.mark_duplicate(span)
-    with tracing.process_span(received(headers[2]), "billing", 2) as span:
+    with tracing.process_span(_received(stored[2]), "billing", 2) as span:
         current = trace.get_current_span()
         current.set_attribute("app.user", "u1")
         current.set_attributes({"app.n": 3, "app.list": [1, 2], "app.long": "x" * 40})
@@ -166,13 +169,13 @@ def _workflow() -> None:
         tracing.record_retry(span, TimeoutError(), 1.5)
         follow = tracing.start_create_span("order.paid", uuid.UUID(int=4))  # child of process
         follow.end()
-    with tracing.process_span(received({}), "billing", 3) as span:  # no stored context
+    with tracing.process_span(_received(None), "billing", 3) as span:  # no stored context
         tracing.record_dead_letter(span, "handler failed 5 times")
         span.set_status(Status(StatusCode.OK))
         span.set_status(StatusCode.ERROR, "ignored: OK is final")
-    with pytest.raises(KeyError), tracing.process_span(received(headers[1]), "billing", 4):
+    with pytest.raises(KeyError), tracing.process_span(_received(stored[1]), "billing", 4):
         raise KeyError("secret-payload-value")
-    with tracing.process_span(received(headers[1]), "billing", 5) as span:
+    with tracing.process_span(_received(stored[1]), "billing", 5) as span:
         span.set_status(StatusCode.ERROR, "described")
         span.set_status(Status(StatusCode.ERROR), "ignored description")
         span.set_status("not a status")  # type: ignore[arg-type]  # ignored
@@ -416,16 +419,7 @@ def test_spans_from_many_threads_are_each_exported_once_with_their_parents(
             created = tracing.start_create_span("order.placed", uuid.UUID(int=worker * 1000 + n))
             headers = tracing.span_headers(created)
             created.end()
-            event = ReceivedEvent(
-                id=uuid.UUID(int=worker * 1000 + n),
-                type="order.placed",
-                version=1,
-                data={},
-                source="test",
-                time="2026-01-01T00:00:00Z",
-                seq=n,
-                traceparent=headers["traceparent"],
-            )
+            event = _received(headers["traceparent"], worker * 1000 + n, n)
             with tracing.process_span(event, f"consumer-{worker}", 1):
                 tracing.start_create_span("order.paid", uuid.UUID(int=n)).end()
 
