@@ -188,7 +188,12 @@ class RecordedSpan(trace.Span, ReadableSpan):
             context=context,
             parent=parent,
             resource=factory.provider.resource,
-            attributes=_span_attributes(attributes, limits),
+            attributes=_kept(
+                attributes,
+                limits.max_span_attributes,
+                limits.max_span_attribute_length,
+                immutable=False,
+            ),
             links=_span_links(links, limits),
             kind=kind,
             instrumentation_info=factory.info,
@@ -368,17 +373,17 @@ def _plain(attributes: Mapping[str, Any], max_count: int | None) -> bool:
     )
 
 
-def _span_attributes(
-    attributes: Mapping[str, types.AttributeValue], limits: SpanLimits
+def _kept(
+    attributes: Mapping[str, types.AttributeValue],
+    max_count: int | None,
+    max_length: int | None,
+    *,
+    immutable: bool,
 ) -> Mapping[str, types.AttributeValue]:
-    if limits.max_span_attribute_length is None and _plain(attributes, limits.max_span_attributes):
+    """Attributes as the SDK keeps them: a plain copy while plain and within the limits."""
+    if max_length is None and _plain(attributes, max_count):
         return dict(attributes)
-    return BoundedAttributes(
-        limits.max_span_attributes,
-        attributes,
-        immutable=False,
-        max_value_len=limits.max_span_attribute_length,
-    )
+    return BoundedAttributes(max_count, attributes, immutable=immutable, max_value_len=max_length)
 
 
 def _valid_link(context: trace.SpanContext | None, attributes: types.Attributes) -> bool:
@@ -387,16 +392,8 @@ def _valid_link(context: trace.SpanContext | None, attributes: types.Attributes)
 
 
 def _link_attributes(attributes: types.Attributes, limits: SpanLimits) -> types.Attributes:
-    """A link's attributes as the SDK keeps them: a copy, validated unless plain and in limits."""
-    if not attributes:
-        return {}
-    if limits.max_attribute_length is None and _plain(attributes, limits.max_link_attributes):
-        return dict(attributes)
-    return BoundedAttributes(
-        limits.max_link_attributes,
-        attributes,
-        max_value_len=limits.max_attribute_length,
-        immutable=True,
+    return _kept(
+        attributes or {}, limits.max_link_attributes, limits.max_attribute_length, immutable=True
     )
 
 

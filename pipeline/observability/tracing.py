@@ -88,6 +88,38 @@ def _own_spans() -> SpanFactory | None:
     return getattr(trace.get_tracer_provider(), "pipeline_spans", None)
 
 
+def _start(
+    own: SpanFactory | None,
+    name: str,
+    kind: SpanKind,
+    parent: otel_context.Context | None,
+    attributes: Mapping[str, str | int],
+    links: Sequence[Link] = (),
+    *,
+    record_exceptions: bool = True,
+) -> Span:
+    """A span from the pipeline's own factory when it has one, else from the SDK's tracer."""
+    if own is not None:
+        return own.start(
+            name,
+            kind,
+            parent,
+            attributes,
+            links,
+            record_exception=record_exceptions,
+            set_status_on_exception=record_exceptions,
+        )
+    return _tracer().start_span(
+        name,
+        parent,
+        kind,
+        attributes,
+        links,
+        record_exception=record_exceptions,
+        set_status_on_exception=record_exceptions,
+    )
+
+
 def _sdk_installed() -> bool:
     """Whether some SDK provider is installed (else spans are no-ops)."""
     provider = trace.get_tracer_provider()
@@ -202,11 +234,7 @@ def start_create_span(
     }
     if correlation_id is not None:
         attributes[CONVERSATION_ID] = correlation_id
-    name = f"create {event_type}"
-    own = _own_spans()
-    if own is not None:
-        return own.start(name, SpanKind.PRODUCER, parent, attributes)
-    return _tracer().start_span(name, context=parent, kind=SpanKind.PRODUCER, attributes=attributes)
+    return _start(_own_spans(), f"create {event_type}", SpanKind.PRODUCER, parent, attributes)
 
 
 # -- relay ---------------------------------------------------------------------------------
@@ -229,7 +257,6 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
         yield trace.INVALID_SPAN  # a send span parents nothing: unrecorded, it is not needed
         return
     links = _creation_links(events)
-    name, parent = f"send {destination}", _single_trace_parent(links)
     attributes: dict[str, str | int] = {
         SYSTEM: MESSAGING_SYSTEM,
         OPERATION_TYPE: "send",
@@ -237,12 +264,8 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
         DESTINATION: destination,
         BATCH_COUNT: len(events),
     }
-    if own is not None:
-        span = own.start(name, SEND_SPAN_KIND, parent, attributes, links)
-    else:
-        span = _tracer().start_span(
-            name, parent, SEND_SPAN_KIND, attributes=attributes, links=links or None
-        )
+    parent = _single_trace_parent(links)
+    span = _start(own, f"send {destination}", SEND_SPAN_KIND, parent, attributes, links)
     yield from _ended_on_exit(span)
 
 
@@ -311,25 +334,16 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
         }
         if event.correlation_id is not None:
             attributes[CONVERSATION_ID] = event.correlation_id
-        name, context = f"process {event.type}", None if parent is None else _remote_parent(parent)
-        if own is not None:  # recorded or not, follow-up events and log lines get its ids
-            span = own.start(
-                name,
-                SpanKind.CONSUMER,
-                context,
-                attributes,
-                record_exception=False,
-                set_status_on_exception=False,
-            )
-        else:
-            span = _tracer().start_span(
-                name,
-                context=context,
-                kind=SpanKind.CONSUMER,
-                attributes=attributes,
-                record_exception=False,
-                set_status_on_exception=False,
-            )
+        context = None if parent is None else _remote_parent(parent)
+        # Recorded or not, follow-up events and log lines get its ids.
+        span = _start(
+            own,
+            f"process {event.type}",
+            SpanKind.CONSUMER,
+            context,
+            attributes,
+            record_exceptions=False,  # failures are marked by class only (_fail)
+        )
     yield from _ended_on_exit(span, otel_context.attach(trace.set_span_in_context(span)))
 
 
