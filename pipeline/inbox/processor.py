@@ -242,10 +242,7 @@ class InboxProcessor:
     def _count(self, committed: Committed, outcome: Outcome) -> None:
         """Metrics of what the fast way committed (nothing of it counts before the commit)."""
         consumer = self.subscription.consumer
-        for event, duration in committed.processed:
-            metrics.handler_duration.labels(consumer, event.type).observe(duration)
-            metrics.inbox_processed.labels(consumer, event.type).inc()
-            metrics.observe_end_to_end(consumer, event)
+        metrics.record_processed(consumer, committed.processed)
         duplicates = committed.duplicates + committed.copies
         for event in duplicates:
             metrics.inbox_duplicates.labels(consumer, event.type).inc()
@@ -353,9 +350,7 @@ class InboxProcessor:
                 return self._failed(
                     session.connection(), envelope, event, attempt, exc, outcome, span
                 )
-        metrics.handler_duration.labels(consumer, event.type).observe(time.perf_counter() - started)
-        metrics.inbox_processed.labels(consumer, event.type).inc()
-        metrics.observe_end_to_end(consumer, event)
+        metrics.record_processed(consumer, [(event, time.perf_counter() - started)])
         outcome.processed += 1
         return None
 

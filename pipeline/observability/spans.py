@@ -25,7 +25,7 @@ import os
 import threading
 import traceback
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from time import time_ns
 from types import TracebackType
 from typing import Any
@@ -44,7 +44,13 @@ from opentelemetry.sdk.trace import (
     TracerProvider,
 )
 from opentelemetry.sdk.trace.id_generator import IdGenerator
-from opentelemetry.sdk.trace.sampling import Decision, Sampler
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    StaticSampler,
+    TraceIdRatioBased,
+)
 from opentelemetry.sdk.util import BoundedList
 from opentelemetry.sdk.util.instrumentation import InstrumentationInfo, InstrumentationScope
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
@@ -57,7 +63,28 @@ _PLAIN_VALUES = frozenset({str, bool, int, float})  # validated as they are (no 
 # The decisions, compared by identity: ``Decision.is_recording()`` costs more than a span id.
 _SAMPLED = Decision.RECORD_AND_SAMPLE
 _RECORDED_ONLY = Decision.RECORD_ONLY
+_DROP = Decision.DROP
 _RANDOM_FLAG = trace.TraceFlags.RANDOM_TRACE_ID  # W3C trace-context level 2
+# The SDK's own samplers (the ``OTEL_TRACES_SAMPLER`` choices): pure functions of the
+# parent and the trace id, so their decision is computed here without calling them,
+# and without the attributes a span that is not recorded never needs. Matched by exact
+# type among the SDK's classes that keep its ``should_sample``: any other sampler, a
+# subclass included, is called as the SDK calls it.
+
+
+def _sdk_samplers(base: type[Sampler]) -> frozenset[type[Sampler]]:
+    return frozenset(
+        kind
+        for kind in (base, *base.__subclasses__())
+        if kind.__module__ == base.__module__ and kind.should_sample is base.should_sample
+    )
+
+
+_PARENT_BASED = _sdk_samplers(ParentBased)
+_STATIC = _sdk_samplers(StaticSampler)
+_RATIO_LIMIT = TraceIdRatioBased.TRACE_ID_LIMIT
+
+Attributes = Mapping[str, types.AttributeValue]
 
 
 class PipelineTracerProvider(TracerProvider):
@@ -112,8 +139,8 @@ class SpanFactory:
         name: str,
         kind: SpanKind,
         parent: otel_context.Context | None,
-        attributes: Mapping[str, types.AttributeValue],
-        links: Sequence[Link] = (),
+        attributes: Attributes | Callable[[], Attributes],
+        links: Sequence[Link] | Callable[[], Sequence[Link]] = (),
         *,
         record_exception: bool = True,
         set_status_on_exception: bool = True,
@@ -123,15 +150,26 @@ class SpanFactory:
         ``parent`` ``None`` means the current context, as in the SDK. The span is
         recorded when a processor is installed and the sampler says so; otherwise it is
         a ``NonRecordingSpan`` with the ids, flags and trace state the SDK would give it.
+        ``attributes`` and ``links`` may be functions that make them: they are called
+        only when the sampler or the recorded span needs them.
         """
-        links = links or ()  # as the SDK hands them to the sampler
         provider = self.provider
         ids = provider.id_generator
         parent_span = trace.get_current_span(parent).get_span_context()
         root = not parent_span.is_valid
         trace_id = ids.generate_trace_id() if root else parent_span.trace_id
-        sampled = provider.sampler.should_sample(parent, trace_id, name, kind, attributes, links)
-        decision = sampled.decision
+        decision = _builtin_decision(provider.sampler, parent_span, trace_id)
+        if decision is None:  # another sampler: asked exactly as the SDK asks it
+            if callable(attributes):
+                attributes = attributes()
+            links = _made(links)
+            sampled = provider.sampler.should_sample(
+                parent, trace_id, name, kind, attributes, links
+            )
+            decision, trace_state = sampled.decision, sampled.trace_state
+            attributes = sampled.attributes
+        else:  # a built-in sampler keeps the parent's trace state and the attributes
+            trace_state = None if root else parent_span.trace_state
         flags = trace.TraceFlags.SAMPLED if decision is _SAMPLED else trace.TraceFlags.DEFAULT
         if ids.is_trace_id_random() if root else parent_span.trace_flags.random_trace_id:
             flags |= _RANDOM_FLAG
@@ -140,7 +178,7 @@ class SpanFactory:
             ids.generate_span_id(),
             is_remote=False,
             trace_flags=trace.TraceFlags(flags),
-            trace_state=sampled.trace_state,
+            trace_state=trace_state,
         )
         if not self.recording or (decision is not _SAMPLED and decision is not _RECORDED_ONLY):
             return trace.NonRecordingSpan(context)
@@ -150,14 +188,49 @@ class SpanFactory:
             context,
             None if root else parent_span,
             kind,
-            sampled.attributes,
-            links,
+            attributes() if callable(attributes) else attributes,
+            _made(links),
             record_exception=record_exception,
             set_status_on_exception=set_status_on_exception,
         )
         # Processors get the span the SDK's would: the API's Span plus ReadableSpan.
         self.processor.on_start(span, parent_context=parent)  # type: ignore[arg-type]
         return span
+
+
+def _made(links: Sequence[Link] | Callable[[], Sequence[Link]]) -> Sequence[Link]:
+    """The links, made now if given as a function; ``()`` for none, as the SDK passes them."""
+    return (links() if callable(links) else links) or ()
+
+
+def _builtin_decision(
+    sampler: Sampler, parent: trace.SpanContext, trace_id: int
+) -> Decision | None:
+    """The decision one of the SDK's own samplers would make; ``None`` for any other."""
+    kind = type(sampler)
+    if kind in _PARENT_BASED:
+        delegate: Any = vars(sampler)
+        if not parent.is_valid:
+            sampler = delegate.get("_root")
+        elif parent.is_remote:
+            sampled = parent.trace_flags.sampled
+            sampler = delegate.get(
+                "_remote_parent_sampled" if sampled else "_remote_parent_not_sampled"
+            )
+        else:
+            sampled = parent.trace_flags.sampled
+            sampler = delegate.get(
+                "_local_parent_sampled" if sampled else "_local_parent_not_sampled"
+            )
+        kind = type(sampler)
+    if kind in _STATIC:
+        decision: Decision | None = getattr(sampler, "_decision", None)
+        return decision
+    if kind is TraceIdRatioBased:
+        bound = getattr(sampler, "bound", None)
+        if bound is not None:
+            return _SAMPLED if trace_id & _RATIO_LIMIT < bound else _DROP
+    return None
 
 
 class RecordedSpan(trace.Span, ReadableSpan):

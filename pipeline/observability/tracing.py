@@ -37,7 +37,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import Token
 from typing import TYPE_CHECKING
@@ -88,17 +88,24 @@ def _own_spans() -> SpanFactory | None:
     return getattr(trace.get_tracer_provider(), "pipeline_spans", None)
 
 
+Attributes = Mapping[str, str | int]
+
+
 def _start(
     own: SpanFactory | None,
     name: str,
     kind: SpanKind,
     parent: otel_context.Context | None,
-    attributes: Mapping[str, str | int],
-    links: Sequence[Link] = (),
+    attributes: Attributes | Callable[[], Attributes],
+    links: Sequence[Link] | Callable[[], Sequence[Link]] = (),
     *,
     record_exceptions: bool = True,
 ) -> Span:
-    """A span from the pipeline's own factory when it has one, else from the SDK's tracer."""
+    """A span from the pipeline's own factory when it has one, else from the SDK's tracer.
+
+    ``attributes`` and ``links`` may be functions that make them: the factory calls them
+    only for a span it records (or a sampler that reads them), which most spans are not.
+    """
     if own is not None:
         return own.start(
             name,
@@ -113,8 +120,8 @@ def _start(
         name,
         parent,
         kind,
-        attributes,
-        links,
+        attributes() if callable(attributes) else attributes,
+        links() if callable(links) else links,
         record_exception=record_exceptions,
         set_status_on_exception=record_exceptions,
     )
@@ -225,15 +232,19 @@ def start_create_span(
     correlation_id: str | None = None,
 ) -> Span:
     """:func:`create_span` without the context manager (the caller ends the span)."""
-    attributes: dict[str, str] = {
-        SYSTEM: MESSAGING_SYSTEM,
-        OPERATION_TYPE: "create",
-        OPERATION_NAME: "create",
-        DESTINATION: event_type,
-        MESSAGE_ID: str(event_id),
-    }
-    if correlation_id is not None:
-        attributes[CONVERSATION_ID] = correlation_id
+
+    def attributes() -> dict[str, str | int]:
+        made: dict[str, str | int] = {
+            SYSTEM: MESSAGING_SYSTEM,
+            OPERATION_TYPE: "create",
+            OPERATION_NAME: "create",
+            DESTINATION: event_type,
+            MESSAGE_ID: str(event_id),
+        }
+        if correlation_id is not None:
+            made[CONVERSATION_ID] = correlation_id
+        return made
+
     return _start(_own_spans(), f"create {event_type}", SpanKind.PRODUCER, parent, attributes)
 
 
@@ -256,7 +267,7 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
     if (own is not None and not own.recording) or not _sdk_installed():
         yield trace.INVALID_SPAN  # a send span parents nothing: unrecorded, it is not needed
         return
-    links = _creation_links(events)
+    created = _creation_contexts(events)
     attributes: dict[str, str | int] = {
         SYSTEM: MESSAGING_SYSTEM,
         OPERATION_TYPE: "send",
@@ -264,7 +275,11 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
         DESTINATION: destination,
         BATCH_COUNT: len(events),
     }
-    parent = _single_trace_parent(links)
+
+    def links() -> list[Link]:  # made only for a span that is recorded (or a sampler)
+        return [Link(context, {MESSAGE_ID: str(event_id)}) for event_id, context in created]
+
+    parent = _single_trace_parent([context for _, context in created])
     span = _start(own, f"send {destination}", SEND_SPAN_KIND, parent, attributes, links)
     yield from _ended_on_exit(span)
 
@@ -275,20 +290,21 @@ def record_send_outcome(span: Span, outcome: BaseException | None) -> None:
         _fail(span, outcome)
 
 
-def _single_trace_parent(links: Sequence[Link]) -> otel_context.Context:
+def _single_trace_parent(created: Sequence[trace.SpanContext]) -> otel_context.Context:
     """Parent a delivery in its events' trace when they all share one; else make it a root.
 
     A delivery of one workflow's events then appears inside that workflow's trace, while
     a batch mixing traces cannot belong to any one of them and relies on its links.
     """
-    traces = {link.context.trace_id for link in links}
-    if len(links) == 0 or len(traces) != 1:
+    traces = {context.trace_id for context in created}
+    if len(created) == 0 or len(traces) != 1:
         return otel_context.Context()
-    return trace.set_span_in_context(trace.NonRecordingSpan(links[0].context))
+    return trace.set_span_in_context(trace.NonRecordingSpan(created[0]))
 
 
-def _creation_links(events: Sequence[OutboxEvent]) -> list[Link]:
-    links: list[Link] = []
+def _creation_contexts(events: Sequence[OutboxEvent]) -> list[tuple[uuid.UUID, trace.SpanContext]]:
+    """Each event's id and stored creation context (events without a valid one are left out)."""
+    created: list[tuple[uuid.UUID, trace.SpanContext]] = []
     for event in events:
         try:
             headers = event.headers
@@ -296,8 +312,8 @@ def _creation_links(events: Sequence[OutboxEvent]) -> list[Link]:
             continue
         span_context = headers_span_context(headers)
         if span_context is not None:
-            links.append(Link(span_context, {MESSAGE_ID: str(event.id)}))
-    return links
+            created.append((event.id, span_context))
+    return created
 
 
 # -- consumer ------------------------------------------------------------------------------
@@ -323,17 +339,21 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
         current = trace.get_current_span().get_span_context()
         span: Span = trace.NonRecordingSpan(parent if parent is not None else current)
     else:
-        attributes: dict[str, str | int] = {
-            SYSTEM: MESSAGING_SYSTEM,
-            OPERATION_TYPE: "process",
-            OPERATION_NAME: "process",
-            DESTINATION: event.type,
-            MESSAGE_ID: str(event.id),
-            CONSUMER_GROUP: consumer,
-            ATTEMPT: attempt,
-        }
-        if event.correlation_id is not None:
-            attributes[CONVERSATION_ID] = event.correlation_id
+
+        def attributes() -> dict[str, str | int]:
+            made: dict[str, str | int] = {
+                SYSTEM: MESSAGING_SYSTEM,
+                OPERATION_TYPE: "process",
+                OPERATION_NAME: "process",
+                DESTINATION: event.type,
+                MESSAGE_ID: str(event.id),
+                CONSUMER_GROUP: consumer,
+                ATTEMPT: attempt,
+            }
+            if event.correlation_id is not None:
+                made[CONVERSATION_ID] = event.correlation_id
+            return made
+
         context = None if parent is None else _remote_parent(parent)
         # Recorded or not, follow-up events and log lines get its ids.
         span = _start(

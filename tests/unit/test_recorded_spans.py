@@ -274,10 +274,17 @@ def _run(
     limits: SpanLimits,
     install: Callable[[TracerProvider], None],
     caplog: pytest.LogCaptureFixture,
+    *,
+    spied: bool = True,
 ) -> tuple[list[str], list[dict[str, Any]], list[str], list[Any]]:
+    """The workflow's spans; ``spied`` wraps the sampler in a spy, so that the factory
+    calls it, while an SDK sampler given as it is takes the factory's own decision."""
     spy = _Spy(sampler)
     provider = provider_class(
-        sampler=spy, resource=RESOURCE, id_generator=_CountingIds(), span_limits=limits
+        sampler=spy if spied else sampler,
+        resource=RESOURCE,
+        id_generator=_CountingIds(),
+        span_limits=limits,
     )
     recorder = _Recorder()
     provider.add_span_processor(recorder)
@@ -318,16 +325,18 @@ LIMITS = {
 }
 
 
+@pytest.mark.parametrize("spied", [True, False], ids=["sampler-called", "sampler-as-given"])
 @pytest.mark.parametrize("limits", LIMITS.values(), ids=LIMITS.keys())
 @pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
 def test_the_pipelines_spans_export_what_the_sdks_would(
     sampler: Sampler,
     limits: SpanLimits,
+    spied: bool,
     installed: Callable[[TracerProvider], None],
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    expected = _run(TracerProvider, sampler, limits, installed, caplog)
-    actual = _run(PipelineTracerProvider, sampler, limits, installed, caplog)
+    expected = _run(TracerProvider, sampler, limits, installed, caplog, spied=spied)
+    actual = _run(PipelineTracerProvider, sampler, limits, installed, caplog, spied=spied)
     assert len(actual[1]) == len(expected[1])
     for ours, sdks in zip(actual[1], expected[1], strict=True):  # exported, field by field
         assert {k: v for k, v in ours.items() if v != sdks[k]} == {}, sdks["name"]

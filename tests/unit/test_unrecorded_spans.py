@@ -117,3 +117,36 @@ def test_with_no_parent_given_the_current_span_is_the_parent() -> None:
         otel_context.detach(token)
     assert span.get_span_context().trace_id == LOW_TRACE_ID
     assert span.get_span_context().trace_flags.sampled
+
+
+def test_the_sdks_samplers_are_decided_without_a_call_and_others_are_called() -> None:
+    """Guards the comparisons: built-in samplers take the factory's own decision, while a
+    subclass with its own ``should_sample`` (or any other sampler) is asked."""
+    from opentelemetry.sdk.trace.sampling import (
+        ALWAYS_ON,
+        Decision,
+        ParentBased,
+        ParentBasedTraceIdRatio,
+        SamplingResult,
+        TraceIdRatioBased,
+    )
+
+    from pipeline.observability.spans import _builtin_decision
+
+    class Stubborn(ParentBased):
+        def should_sample(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            return SamplingResult(Decision.RECORD_ONLY)
+
+    remote_unsampled = trace.SpanContext(1, 2, is_remote=True)
+    low, high = 1, (1 << 64) - 1  # a ratio sampler compares the low 64 bits
+    root = trace.INVALID_SPAN_CONTEXT
+    assert _builtin_decision(ParentBased(ALWAYS_ON), root, low) is Decision.RECORD_AND_SAMPLE
+    assert _builtin_decision(ParentBased(ALWAYS_ON), remote_unsampled, low) is Decision.DROP
+    assert _builtin_decision(TraceIdRatioBased(0.5), root, low) is Decision.RECORD_AND_SAMPLE
+    assert _builtin_decision(TraceIdRatioBased(0.5), root, high) is Decision.DROP
+    at_bound = TraceIdRatioBased(0.5).bound  # below the bound is sampled, the bound is not
+    assert _builtin_decision(TraceIdRatioBased(0.5), root, at_bound) is Decision.DROP
+    assert _builtin_decision(TraceIdRatioBased(0.5), root, at_bound - 1) is Decision.RECORD_AND_SAMPLE
+    assert _builtin_decision(ParentBasedTraceIdRatio(0.5), root, high) is Decision.DROP
+    assert _builtin_decision(Stubborn(ALWAYS_ON), root, low) is None
+    assert _builtin_decision(ParentBased(Stubborn(ALWAYS_ON)), root, low) is None
