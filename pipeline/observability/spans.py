@@ -162,7 +162,7 @@ class SpanFactory:
         if decision is None:  # another sampler: asked exactly as the SDK asks it
             if callable(attributes):
                 attributes = attributes()
-            links = _made(links)
+            links = _made(links)  # the sampler has seen them: no longer the span's alone
             sampled = provider.sampler.should_sample(
                 parent, trace_id, name, kind, attributes, links
             )
@@ -190,6 +190,7 @@ class SpanFactory:
             kind,
             attributes() if callable(attributes) else attributes,
             _made(links),
+            owned_links=callable(links),
             record_exception=record_exception,
             set_status_on_exception=set_status_on_exception,
         )
@@ -251,6 +252,7 @@ class RecordedSpan(trace.Span, ReadableSpan):
         attributes: Mapping[str, types.AttributeValue],
         links: Sequence[Link],
         *,
+        owned_links: bool = False,
         record_exception: bool,
         set_status_on_exception: bool,
     ) -> None:
@@ -267,7 +269,7 @@ class RecordedSpan(trace.Span, ReadableSpan):
                 limits.max_span_attribute_length,
                 immutable=False,
             ),
-            links=_span_links(links, limits),
+            links=_span_links(links, limits, owned=owned_links),
             kind=kind,
             instrumentation_info=factory.info,
             instrumentation_scope=factory.scope,
@@ -440,10 +442,10 @@ def _plain(attributes: Mapping[str, Any], max_count: int | None) -> bool:
     """Attributes the SDK's validation would keep exactly as they are."""
     if max_count is not None and len(attributes) > max_count:
         return False
-    return all(
-        type(value) in _PLAIN_VALUES and type(key) is str and key
-        for key, value in attributes.items()
-    )
+    for key, value in attributes.items():  # a loop: all() over a generator costs more here
+        if type(value) not in _PLAIN_VALUES or type(key) is not str or not key:
+            return False
+    return True
 
 
 def _kept(
@@ -470,12 +472,25 @@ def _link_attributes(attributes: types.Attributes, limits: SpanLimits) -> types.
     )
 
 
-def _span_links(links: Sequence[Link], limits: SpanLimits) -> Sequence[Link]:
-    """The links the SDK would keep, with its limits applied (the caller's are not changed)."""
+def _span_links(links: Sequence[Link], limits: SpanLimits, *, owned: bool) -> Sequence[Link]:
+    """The links the SDK would keep, with its limits applied (the caller's are not changed).
+
+    ``owned`` links were made for this span alone (by a links function): one whose
+    attributes the limits keep as they are is kept itself rather than copied.
+    """
     kept: list[Link] = []
+    as_they_are = owned and limits.max_attribute_length is None
     for link in links:
         if link and _valid_link(link.context, link.attributes):
-            kept.append(Link(link.context, _link_attributes(link.attributes, limits)))
+            attributes = link.attributes
+            if (
+                as_they_are
+                and type(attributes) is dict
+                and _plain(attributes, limits.max_link_attributes)
+            ):
+                kept.append(link)
+            else:
+                kept.append(Link(link.context, _link_attributes(attributes, limits)))
     if limits.max_links is not None and len(kept) > limits.max_links:
         return BoundedList.from_seq(limits.max_links, kept)
     return kept
