@@ -6,7 +6,8 @@ attributes the pipeline built itself and snapshotting the span for its processor
 Under :class:`PipelineTracerProvider` (what ``configure_tracing`` installs)
 :class:`SpanFactory` makes the same spans for less: an exported ``create`` span costs
 23.5 µs of CPU all told instead of 37.6 (``benchmarks/span_cost.py``). The same
-ids, flags and trace state, one call of the provider's sampler, the same attributes,
+ids, flags and trace state, the provider's sampler's decision (asked as the SDK asks it;
+the SDK's own samplers, being pure, are decided without the call), the same attributes,
 events, links, status and span limits, and the same calls to the provider's span
 processors, which receive the span itself (an SDK ``ReadableSpan`` that refuses
 changes once ended) instead of a copy. tests/unit/test_recorded_spans.py compares the
@@ -65,14 +66,16 @@ _SAMPLED = Decision.RECORD_AND_SAMPLE
 _RECORDED_ONLY = Decision.RECORD_ONLY
 _DROP = Decision.DROP
 _RANDOM_FLAG = trace.TraceFlags.RANDOM_TRACE_ID  # W3C trace-context level 2
-# The SDK's own samplers (the ``OTEL_TRACES_SAMPLER`` choices): pure functions of the
-# parent and the trace id, so their decision is computed here without calling them,
-# and without the attributes a span that is not recorded never needs. Matched by exact
-# type among the SDK's classes that keep its ``should_sample``: any other sampler, a
-# subclass included, is called as the SDK calls it.
 
 
 def _sdk_samplers(base: type[Sampler]) -> frozenset[type[Sampler]]:
+    """``base`` and the SDK's own subclasses that keep its ``should_sample``.
+
+    These (the ``OTEL_TRACES_SAMPLER`` choices) are pure functions of the parent and the
+    trace id, so :func:`_builtin_decision` decides for them without a call, and without
+    the attributes and links a span that is not recorded never needs. Any other sampler,
+    a subclass of these included, is called as the SDK calls it.
+    """
     return frozenset(
         kind
         for kind in (base, *base.__subclasses__())
