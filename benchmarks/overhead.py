@@ -45,6 +45,8 @@ def rotated_order(modes: Sequence[str], rounds: int) -> list[str]:
 def rounds_of(results: dict[str, Any], modes: Sequence[str]) -> list[dict[str, dict[str, Any]]]:
     """The report's runs grouped into rounds (consecutive runs, one per mode)."""
     runs = [(key.removeprefix("observability_"), value) for key, value in results.items()]
+    if len(runs) % len(modes):
+        raise SystemExit(f"{len(runs)} runs are not whole rounds of {len(modes)} modes")
     grouped: list[dict[str, dict[str, Any]]] = []
     for start in range(0, len(runs) - len(modes) + 1, len(modes)):
         chunk = runs[start : start + len(modes)]
@@ -121,29 +123,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = Path(args.source)
     else:
         source = Path(tempfile.mkdtemp(prefix="pipeline-overhead-")) / "end_to_end.json"
-        end_to_end.main(
-            [
-                "--only",
-                "throughput",
-                "--duration",
-                str(args.duration),
-                "--events-per-transaction",
-                str(args.events_per_transaction),
-                "--observability",
-                ",".join(rotated_order(modes, args.rounds)),
-                "--output",
-                str(source),
-            ]
+        end_to_end_argv = [
+            "--only",
+            "throughput",
+            "--duration",
+            str(args.duration),
+            "--events-per-transaction",
+            str(args.events_per_transaction),
+            "--observability",
+            ",".join(rotated_order(modes, args.rounds)),
+            "--output",
+            str(source),
+        ]
+        end_to_end.main(end_to_end_argv)
+        end_to_end_command = " ".join(
+            [sys.executable, "-m", "benchmarks.end_to_end", *end_to_end_argv]
         )
     report = json.loads(source.read_text())
     report = report.get("end_to_end_report", report)  # an earlier overhead report will do
+    if args.source:
+        end_to_end_command = report["command"]
     summary = summarise(rounds_of(report["results"], modes))
     out = {
         "benchmark": "overhead",
         "date": report["date"],
         "code": report["code"],
         "command": " ".join([sys.executable, "-m", "benchmarks.overhead", *(argv or sys.argv[1:])]),
-        "end_to_end_command": report["command"],
+        "end_to_end_command": end_to_end_command,
         "durability": report["durability"],
         "setup": report["setup"],
         "summary": summary,

@@ -182,7 +182,8 @@ def record_processed(consumer: str, done: Sequence[tuple[ReceivedEvent, float]])
 def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
     """``histogram.observe`` for each amount, with one write per bucket touched.
 
-    ``observe`` writes the sum and one bucket per value. Falls back to it when this
+    ``observe`` writes the sum and one bucket per value. The sum is added in one step,
+    so it may differ from value-by-value addition in the last bit. Falls back when this
     ``prometheus_client`` keeps its buckets elsewhere (tests/unit/test_metrics.py
     compares the two).
     """

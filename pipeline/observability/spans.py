@@ -214,6 +214,8 @@ def _builtin_decision(
     kind = type(sampler)
     if kind in _PARENT_BASED:
         delegate: Any = vars(sampler)
+        if "should_sample" in delegate:  # replaced on the object (a test's patch): call it
+            return None
         if not parent.is_valid:
             sampler = delegate.get("_root")
         elif parent.is_remote:
@@ -227,6 +229,8 @@ def _builtin_decision(
                 "_local_parent_sampled" if sampled else "_local_parent_not_sampled"
             )
         kind = type(sampler)
+    if "should_sample" in getattr(sampler, "__dict__", {}):
+        return None
     if kind in _STATIC:
         decision: Decision | None = getattr(sampler, "_decision", None)
         return decision

@@ -146,7 +146,12 @@ def test_the_sdks_samplers_are_decided_without_a_call_and_others_are_called() ->
     assert _builtin_decision(TraceIdRatioBased(0.5), root, high) is Decision.DROP
     at_bound = TraceIdRatioBased(0.5).bound  # below the bound is sampled, the bound is not
     assert _builtin_decision(TraceIdRatioBased(0.5), root, at_bound) is Decision.DROP
-    assert _builtin_decision(TraceIdRatioBased(0.5), root, at_bound - 1) is Decision.RECORD_AND_SAMPLE
+    assert (
+        _builtin_decision(TraceIdRatioBased(0.5), root, at_bound - 1) is Decision.RECORD_AND_SAMPLE
+    )
     assert _builtin_decision(ParentBasedTraceIdRatio(0.5), root, high) is Decision.DROP
     assert _builtin_decision(Stubborn(ALWAYS_ON), root, low) is None
+    patched = ParentBased(ALWAYS_ON)
+    patched.should_sample = Stubborn(ALWAYS_ON).should_sample  # type: ignore[method-assign]
+    assert _builtin_decision(patched, root, low) is None
     assert _builtin_decision(ParentBased(Stubborn(ALWAYS_ON)), root, low) is None
