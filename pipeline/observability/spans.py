@@ -86,6 +86,13 @@ def _sdk_samplers(base: type[Sampler]) -> frozenset[type[Sampler]]:
 _PARENT_BASED = _sdk_samplers(ParentBased)
 _STATIC = _sdk_samplers(StaticSampler)
 _RATIO_LIMIT = TraceIdRatioBased.TRACE_ID_LIMIT
+# ParentBased's delegate for a valid parent, by (is remote, is sampled).
+_PARENT_DELEGATES = {
+    (True, True): "_remote_parent_sampled",
+    (True, False): "_remote_parent_not_sampled",
+    (False, True): "_local_parent_sampled",
+    (False, False): "_local_parent_not_sampled",
+}
 
 Attributes = Mapping[str, types.AttributeValue]
 
@@ -216,18 +223,12 @@ def _builtin_decision(
         delegate: Any = vars(sampler)
         if "should_sample" in delegate:  # replaced on the object (a test's patch): call it
             return None
-        if not parent.is_valid:
-            sampler = delegate.get("_root")
-        elif parent.is_remote:
-            sampled = parent.trace_flags.sampled
-            sampler = delegate.get(
-                "_remote_parent_sampled" if sampled else "_remote_parent_not_sampled"
-            )
-        else:
-            sampled = parent.trace_flags.sampled
-            sampler = delegate.get(
-                "_local_parent_sampled" if sampled else "_local_parent_not_sampled"
-            )
+        chosen = (
+            _PARENT_DELEGATES[parent.is_remote, parent.trace_flags.sampled]
+            if parent.is_valid
+            else "_root"
+        )
+        sampler = delegate.get(chosen)
         kind = type(sampler)
     if "should_sample" in getattr(sampler, "__dict__", {}):
         return None
