@@ -49,8 +49,8 @@ from benchmarks import producer_cost as pc
 from benchmarks.producer_cost import _machine, _ms, _percentile
 from pipeline.config import Settings, configure
 from pipeline.db.migrate import upgrade
-from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
 from pipeline.outbox import NewEvent, add_event, add_events
+from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENT_TYPE = "bench.e2e"

@@ -67,18 +67,18 @@ from pydantic import SecretStr
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session
 
-from pipeline.broker import make_broker
 from pipeline.config import Settings, configure, libpq_url
 from pipeline.db.migrate import notify_channel
 from pipeline.db.queries import queries_for
-from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis
 from pipeline.observability import metrics
 from pipeline.outbox import NewEvent, add_events
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
-from pipeline.relay.publisher import Delivery, DramatiqRedisPublisher
 from pipeline.relay.relay import Relay, Waker
 from pipeline.runtime import event_source
+from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.transport.broker import make_broker
+from pipeline.transport.publisher import Delivery, DramatiqRedisPublisher
 
 try:  # python -m benchmarks.relay
     from benchmarks import producer_cost as pc

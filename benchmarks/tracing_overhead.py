@@ -103,7 +103,7 @@ def main() -> int:
     from sqlalchemy import create_engine
 
     from pipeline.db.migrate import upgrade
-    from pipeline.embedded import EmbeddedPostgres
+    from pipeline.testing.embedded import EmbeddedPostgres
 
     server = EmbeddedPostgres(durable=False)
     server.start()

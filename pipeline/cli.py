@@ -160,8 +160,8 @@ def _relay_metrics(
     """Start the relay's /metrics endpoint; a port in use disables it (delivery matters more)."""
     import logging
 
+    from pipeline.admin.state import StateCollector
     from pipeline.observability.metrics import start_metrics_server
-    from pipeline.observability.state import StateCollector
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
 
     def queues() -> list[str]:
@@ -277,7 +277,7 @@ def status(
     """
     import json
 
-    from pipeline.observability.status import Thresholds, format_status, read_status
+    from pipeline.admin.status import Thresholds, format_status, read_status
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.runtime import import_app_modules
 

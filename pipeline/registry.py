@@ -18,6 +18,10 @@ from pipeline.errors import ConfigurationError, UnknownConsumerError
 
 WILDCARD = "*"
 RESERVED_PREFIX = "pipeline."  # the pipeline's own events (the canary), unseen by "*"
+CANARY_EVENT_TYPE = "pipeline.canary"
+"""The end-to-end canary's event type: committed by the relay, handled by the inbox."""
+CANARY_CONSUMER = "pipeline_canary"
+"""The built-in consumer that records the canary's arrival."""
 
 
 @dataclass(frozen=True)

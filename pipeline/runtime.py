@@ -12,14 +12,14 @@ from typing import Any
 
 import dramatiq
 
-from pipeline.broker import PipelineRedisBroker, make_broker
 from pipeline.config import Settings
 from pipeline.errors import ConfigurationError
 from pipeline.inbox.actors import ProcessEngine, declare_inbox_actors
-from pipeline.observability.canary import register_canary
+from pipeline.inbox.canary import register_canary
 from pipeline.registry import Registry, registry
 from pipeline.relay.actors import PublishingDispatcher, declare_publishing_actor
-from pipeline.relay.publisher import DramatiqRedisPublisher
+from pipeline.transport.broker import PipelineRedisBroker, make_broker
+from pipeline.transport.publisher import DramatiqRedisPublisher
 
 
 @dataclass

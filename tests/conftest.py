@@ -21,7 +21,7 @@ from sqlalchemy import Engine, create_engine
 
 from pipeline.config import Settings, configure, libpq_url
 from pipeline.db.migrate import upgrade
-from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
 
 RUN_ID = uuid.uuid4().hex[:8]
 

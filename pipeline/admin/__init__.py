@@ -1,1 +1,1 @@
-"""Operator tools: lineage (trace), status and dead-letter handling."""
+"""Operator tools: status, state gauges, lineage (trace) and dead-letter handling."""

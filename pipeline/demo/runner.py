@@ -195,10 +195,10 @@ class _Demo:
         options = self.options
         settings = layout.settings
         import pipeline.demo.app  # noqa: F401 - registers the demo's routes in this process
-        from pipeline.broker import make_broker
         from pipeline.registry import registry
-        from pipeline.relay.publisher import DramatiqRedisPublisher
         from pipeline.runtime import event_source
+        from pipeline.transport.broker import make_broker
+        from pipeline.transport.publisher import DramatiqRedisPublisher
 
         broker = make_broker(settings, middleware=[])
         self.cleanup.push("close the Redis connection", broker.close)
@@ -299,7 +299,7 @@ class _Demo:
         setup: dict[str, str] = {}
         embedded_pg = database_url is None
         embedded_redis = redis_url is None
-        from pipeline.embedded import EmbeddedPostgres, EmbeddedRedis
+        from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
 
         if redis_url is None:
             redis_server = EmbeddedRedis()
@@ -593,7 +593,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _start_embedded(server: Any, name: str, variable: str) -> None:
-    from pipeline.embedded import EmbeddedServerError
+    from pipeline.testing.embedded import EmbeddedServerError
 
     try:
         server.start()

@@ -25,7 +25,7 @@ from pipeline.demo.sql import DemoQueries
 from pipeline.envelope import OutboxEvent
 from pipeline.outbox import add_event
 from pipeline.registry import Registry
-from pipeline.relay.publisher import Delivery, Publisher
+from pipeline.transport.publisher import Delivery, Publisher
 
 SKUS = 200
 STOCK_PER_SKU = 1_000_000

@@ -38,6 +38,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from pipeline.backoff import full_jitter
 from pipeline.config import Settings
 from pipeline.db.queries import queries_for
 from pipeline.envelope import EnvelopeError, ReceivedEvent, decode_envelope
@@ -47,7 +48,6 @@ from pipeline.inbox.context import HandlerContext
 from pipeline.inbox.upcasting import Upcasters, upcasters
 from pipeline.observability import metrics, tracing
 from pipeline.registry import Subscription
-from pipeline.relay.backoff import full_jitter
 
 log = logging.getLogger("pipeline.inbox")
 DEFER_DELAY = 0.05  # seconds before a deferred ordered event looks at its predecessor again

@@ -22,7 +22,7 @@ from pipeline.config import Settings
 from pipeline.db.connect import connect
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
-from pipeline.relay.publisher import Publisher
+from pipeline.transport.publisher import Publisher
 
 log = logging.getLogger("pipeline.relay.actors")
 

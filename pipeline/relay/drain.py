@@ -22,14 +22,14 @@ from typing import Any
 
 import psycopg
 
+from pipeline.backoff import full_jitter
 from pipeline.config import Settings
 from pipeline.db.queries import queries_for
 from pipeline.envelope import OutboxEvent
 from pipeline.errors import error_text
 from pipeline.observability import metrics, tracing
 from pipeline.registry import Registry, Subscription
-from pipeline.relay.backoff import full_jitter
-from pipeline.relay.publisher import (
+from pipeline.transport.publisher import (
     Delivery,
     PermanentPublishError,
     Publisher,

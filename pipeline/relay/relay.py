@@ -38,11 +38,11 @@ from pipeline.db.connect import connect
 from pipeline.db.migrate import notify_channel
 from pipeline.db.queries import queries_for
 from pipeline.observability import metrics
-from pipeline.observability.canary import emit_canary
 from pipeline.registry import Registry
+from pipeline.relay.canary import emit_canary
 from pipeline.relay.drain import Drainer
 from pipeline.relay.listener import Listener
-from pipeline.relay.publisher import Publisher, PublisherUnavailable
+from pipeline.transport.publisher import Publisher, PublisherUnavailable
 
 log = logging.getLogger("pipeline.relay")
 Mode = Literal["auto", "inline", "workers"]

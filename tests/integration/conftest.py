@@ -11,8 +11,8 @@ import pytest
 from pipeline import Settings, configure
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
-from pipeline.relay.publisher import Publisher
 from pipeline.runtime import Runtime, build_runtime
+from pipeline.transport.publisher import Publisher
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ import pytest
 import redis
 from dramatiq.message import Message
 
-from pipeline.broker import PipelineRedisBroker, make_broker, wake_key
+from pipeline.transport.broker import PipelineRedisBroker, make_broker, wake_key
 
 QUEUE = "wake_test"
 

@@ -22,8 +22,8 @@ from pipeline import NewEvent, Settings, configure
 from pipeline.demo.payment_api import PaymentServer
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
-from pipeline.relay.publisher import Delivery
 from pipeline.runtime import build_runtime
+from pipeline.transport.publisher import Delivery
 from tests.support import (
     multiprocess_metric,
     produce,

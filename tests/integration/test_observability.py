@@ -26,11 +26,11 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pipeline import NewEvent, Settings, configure
+from pipeline.admin.state import StateCollector
 from pipeline.envelope import decode_envelope
 from pipeline.observability import metrics, tracing
 from pipeline.observability.spans import PipelineTracerProvider
-from pipeline.observability.state import StateCollector
-from pipeline.relay.publisher import Delivery, PermanentPublishError
+from pipeline.transport.publisher import Delivery, PermanentPublishError
 from tests.integration.conftest import drainer_for
 from tests.support import (
     ROOT,

@@ -13,11 +13,11 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, add_event
+from pipeline.backoff import backoff_ceiling, full_jitter
 from pipeline.observability import metrics
-from pipeline.relay.backoff import backoff_ceiling, full_jitter
 from pipeline.relay.drain import Drainer
-from pipeline.relay.publisher import Delivery, PublisherUnavailable
 from pipeline.runtime import build_runtime
+from pipeline.transport.publisher import Delivery, PublisherUnavailable
 from tests.integration.conftest import drainer_for
 from tests.support import produce, queue_envelopes, queue_messages, running_relay, wait_until
 

@@ -10,8 +10,8 @@ import psycopg
 import pytest
 import redis
 
-from pipeline import embedded
-from pipeline.embedded import (
+from pipeline.testing import embedded
+from pipeline.testing.embedded import (
     BinaryNotFoundError,
     EmbeddedPostgres,
     EmbeddedRedis,

@@ -38,7 +38,7 @@ from dramatiq.middleware import (
 
 from pipeline.config import Settings
 
-log = logging.getLogger("pipeline.broker")
+log = logging.getLogger("pipeline.transport.broker")
 
 UndecodableSink = Callable[[str, bytes, str], None]
 """Called with (queue name, raw message bytes, reason) for a message that is not decodable."""

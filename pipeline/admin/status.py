@@ -14,10 +14,7 @@ from typing import Any
 import psycopg
 import redis
 
-from pipeline.config import Settings
-from pipeline.db.connect import _describe, connect
-from pipeline.errors import ServiceUnavailableError
-from pipeline.observability.state import (
+from pipeline.admin.state import (
     QueueDepth,
     RelayInfo,
     discover_queues,
@@ -27,6 +24,9 @@ from pipeline.observability.state import (
     redis_client,
     redis_unavailable,
 )
+from pipeline.config import Settings
+from pipeline.db.connect import _describe, connect
+from pipeline.errors import ServiceUnavailableError
 
 
 @dataclass

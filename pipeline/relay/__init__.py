@@ -1,0 +1,1 @@
+"""The relay process: LISTEN/NOTIFY wake-ups, polling, claiming and publishing."""

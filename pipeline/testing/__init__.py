@@ -1,0 +1,1 @@
+"""Throwaway Postgres and Redis servers for tests, benchmarks and the demo."""

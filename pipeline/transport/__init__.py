@@ -1,0 +1,1 @@
+"""The Dramatiq/Redis transport: the broker and the publisher that enqueues deliveries."""
