@@ -167,7 +167,10 @@ def _relay_metrics(
     def queues() -> list[str]:
         return [*(s.queue for s in runtime.registry.all()), PUBLISH_QUEUE_NAME]
 
-    collectors = [StateCollector(settings, queues)] if state_metrics else []
+    def consumers() -> list[str]:
+        return [s.consumer for s in runtime.registry.all()]
+
+    collectors = [StateCollector(settings, queues, consumers=consumers)] if state_metrics else []
     try:
         return start_metrics_server(settings, "relay", port=port, collectors=collectors)
     except OSError as exc:

@@ -11,12 +11,17 @@ FROM {schema}.claim_outbox(%(schema_name)s, %(scan_limit)s, %(max_run)s, %(batch
 
 -- name: mark_sent
 -- Commits asynchronously (set_config local to this transaction, as in claim_outbox): a lost
--- outcome only re-publishes, which the inbox absorbs.
+-- outcome only re-publishes, which the inbox absorbs. Records the consumers each event was
+-- delivered to (ledger.sql): ``route_types[i]`` went to the comma-separated
+-- ``route_consumers[i]`` (names are identifiers: no commas).
 UPDATE {schema}.outbox o
 SET status = 'sent', published_at = clock_timestamp(),
-    lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL
-FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit
+    lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL,
+    consumers = string_to_array(r.consumers, ',')
+FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit,
+     unnest(%(route_types)s::text[], %(route_consumers)s::text[]) AS r (event_type, consumers)
 WHERE o.id = ANY(%(ids)s) AND o.lease_token = %(token)s AND o.status = 'publishing'
+  AND o.event_type = r.event_type
 RETURNING o.id, o.event_type, extract(epoch FROM o.published_at - o.created_at)::float8;
 
 -- name: release

@@ -222,7 +222,11 @@ def test_three_stage_workflow_is_one_trace_through_the_real_inbox(engine, relay_
     runtime = build_runtime(relay_settings, routes, set_global_broker=False)
     processors = {
         sub.queue: InboxProcessor(
-            relay_settings, sub, definition, lambda: engine, lambda envelopes, delay: None
+            relay_settings,
+            sub,
+            definition,
+            lambda: engine,
+            lambda envelopes, delay, deferrals: None,
         )
         for sub, definition in definitions(routes)
     }

@@ -1,0 +1,186 @@
+"""No loss whatever fails: real relay and worker processes against real servers.
+
+Each test reproduces a fault that once lost events: worker connections killed in the
+middle of handlers, and a Redis that forgets everything it carried.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+
+import pytest
+from sqlalchemy import text
+
+from pipeline import NewEvent, Settings, configure
+from pipeline.testing.embedded import EmbeddedRedis
+from tests.support import (
+    pipeline_env,
+    produce,
+    start_relay,
+    start_worker,
+    stop_process,
+    wait_until,
+)
+
+APP = "tests.apps.inbox_app"
+STAGES = ("payments", "inventory", "notifications")
+TABLES = """
+CREATE TABLE effects (id bigserial PRIMARY KEY, stage text NOT NULL, order_id text NOT NULL,
+                      event_id uuid NOT NULL);
+CREATE TABLE seq_log (id bigserial PRIMARY KEY, ordering_key text NOT NULL, seq bigint NOT NULL,
+                      n int NOT NULL);
+"""
+
+
+@pytest.fixture
+def chaos_settings(settings: Settings, engine):
+    with engine.begin() as conn:
+        conn.exec_driver_sql(TABLES)
+    value = settings.replace(
+        lease_seconds=3.0,
+        poll_interval_max=0.5,
+        broker_heartbeat_timeout_ms=3000,
+        broker_maintenance_chance=200_000,
+        canary_interval=0,
+        redelivery_horizon_seconds=3.0,
+        reconcile_interval_seconds=0.5,
+    )
+    configure(value)
+    yield value
+    configure(settings)
+
+
+def stage_counts(engine, stage: str) -> Counter:
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT order_id FROM effects WHERE stage = :s"), {"s": stage})
+        return Counter(row[0] for row in rows)
+
+
+def scalar(engine, sql: str):
+    with engine.connect() as conn:
+        return conn.execute(text(sql)).scalar()
+
+
+def place_orders(engine, orders: list[str]) -> None:
+    produce(
+        engine,
+        [
+            NewEvent("order.placed", {"order_id": o}, aggregate_type="order", aggregate_id=o)
+            for o in orders
+        ],
+        per_transaction=10,
+    )
+
+
+def assert_each_stage_once(engine, orders: list[str]) -> None:
+    for stage in STAGES:
+        assert stage_counts(engine, stage) == Counter(dict.fromkeys(orders, 1)), stage
+    assert scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 0
+
+
+def status_json(settings: Settings) -> tuple[int, dict]:
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "status", "--json"],
+        env=pipeline_env(settings, APP),
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    return done.returncode, json.loads(done.stdout)
+
+
+def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settings, tmp_path):
+    """Postgres drops the workers' connections while handlers run, five times: every
+    message they were handling is retried, and every stage runs once per order."""
+    relay = start_relay(chaos_settings, APP, tmp_path / "relay.log")
+    workers = start_worker(
+        chaos_settings, APP, tmp_path / "worker.log", 2, 4, TEST_HANDLER_SLEEP="0.01"
+    )
+    orders = [f"kill-{i}" for i in range(400)]
+    killed: list[int] = []
+
+    def kill_connections() -> None:
+        for _ in range(5):
+            time.sleep(0.6)
+            with engine.connect() as conn:
+                victims = conn.execute(
+                    text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                        "AND state = 'idle in transaction'"
+                    )
+                ).scalar()
+                conn.commit()
+            killed.append(int(victims or 0))
+
+    killer = threading.Thread(target=kill_connections)
+    try:
+        killer.start()
+        place_orders(engine, orders)
+        killer.join(60)
+        wait_until(
+            lambda: len(stage_counts(engine, "notifications")) == len(orders),
+            timeout=180,
+            interval=0.5,
+        )
+        time.sleep(1.0)  # any late duplicate would show now
+    finally:
+        stop_process(workers)
+        stop_process(relay)
+    assert sum(killed) > 0, "no connection was killed inside a handler"
+    assert_each_stage_once(engine, orders)
+    log = (tmp_path / "worker.log").read_text()
+    assert "message failed outside its handlers; it will be retried" in log
+
+
+def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_settings, tmp_path):
+    """Events sent to Redis, Redis restarted empty before any worker ran: `pipeline status`
+    reports the deliveries owed past the horizon, and the relay's ledger sweep sends them
+    again, so every stage still runs once per order."""
+    orders = [f"forget-{i}" for i in range(300)]
+    with EmbeddedRedis(tmp_path / "redis") as redis_server:
+        settings = chaos_settings.replace(redis_url=redis_server.url)
+        relay = start_relay(settings, APP, tmp_path / "relay.log")
+        try:
+            place_orders(engine, orders)
+            wait_until(
+                lambda: (
+                    scalar(engine, "SELECT count(*) FROM pipeline.outbox WHERE status = 'sent'")
+                    == len(orders)
+                ),
+                timeout=60,
+            )
+        finally:
+            stop_process(relay)
+        redis_server.kill()  # no persistence: every message is gone
+        redis_server.start()
+        time.sleep(settings.redelivery_horizon_seconds + 0.5)
+        code, status = status_json(settings)
+        assert code == 1 and not status["healthy"], status
+        assert status["owed"] == {"payments": len(orders)}, status
+        assert any("300 deliveries to payments" in p for p in status["problems"]), status
+
+        relay = start_relay(settings, APP, tmp_path / "relay2.log")
+        workers = start_worker(settings, APP, tmp_path / "worker.log", 2, 4)
+        try:
+            wait_until(
+                lambda: len(stage_counts(engine, "notifications")) == len(orders),
+                timeout=180,
+                interval=0.5,
+            )
+            time.sleep(1.0)
+            code, status = status_json(settings)
+        finally:
+            stop_process(workers)
+            stop_process(relay)
+    assert_each_stage_once(engine, orders)
+    assert code == 0 and status["owed"] == {}, status
+    redelivered = scalar(
+        engine, "SELECT sum(redeliveries) FROM pipeline.inbox WHERE consumer = 'payments'"
+    )
+    assert redelivered >= len(orders)
