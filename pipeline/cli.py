@@ -318,7 +318,9 @@ def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
         raise click.BadParameter(f"{event_id!r} is not an event id (a UUID)") from None
     settings = _settings(ctx)
     with connect(settings) as conn:
-        lineage = load_lineage(conn, settings.schema_name, wanted)
+        lineage = load_lineage(
+            conn, settings.schema_name, wanted, horizon=settings.redelivery_horizon_seconds
+        )
     if as_json:
         click.echo(json.dumps(lineage.as_json(), indent=2))
     else:

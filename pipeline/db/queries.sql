@@ -131,7 +131,8 @@ ORDER BY relay_id;
 -- name: lineage_event
 SELECT id, seq, event_type, event_version, aggregate_type, aggregate_id, ordering_key, status,
        attempts, created_at, published_at, last_error_class, last_error,
-       headers ->> 'traceparent', headers ->> 'correlation_id', headers ->> 'causation_id'
+       headers ->> 'traceparent', headers ->> 'correlation_id', headers ->> 'causation_id',
+       consumers, clock_timestamp()
 FROM {schema}.outbox WHERE id = %(event_id)s;
 
 -- name: lineage_children
@@ -142,7 +143,8 @@ SELECT stage, consumer, attempt, error_class, error, occurred_at
 FROM {schema}.attempts WHERE event_id = %(event_id)s ORDER BY occurred_at, id;
 
 -- name: lineage_inbox
-SELECT consumer, status, attempts, received_at, processed_at, last_error_class
+SELECT consumer, status, attempts, received_at, processed_at, last_error_class, delivered_at,
+       redeliveries
 FROM {schema}.inbox WHERE event_id = %(event_id)s ORDER BY consumer;
 
 -- name: lineage_dead_letters
