@@ -200,3 +200,60 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
         engine, "SELECT sum(redeliveries) FROM pipeline.inbox WHERE consumer = 'payments'"
     )
     assert redelivered >= len(orders)
+
+
+def seq_log(engine) -> dict[str, list[int]]:
+    with engine.connect() as conn:
+        rows = conn.execute(text("SELECT ordering_key, n FROM seq_log ORDER BY id")).all()
+    seen: dict[str, list[int]] = {}
+    for key, n in rows:
+        seen.setdefault(key, []).append(n)
+    return seen
+
+
+def steps(first: int, last: int, keys: int = 20) -> list[NewEvent]:
+    return [
+        NewEvent("seq.step", {"n": n}, ordering_key=f"key-{k}")
+        for n in range(first, last)
+        for k in range(keys)
+    ]
+
+
+def test_an_ordered_key_whose_events_redis_forgot_resumes_in_order(
+    engine, chaos_settings, tmp_path
+):
+    """Steps 0-4 of each key processed; steps 5-9 sent, then Redis restarted empty; steps
+    10-14 published after it. The later steps must not wait forever behind the lost ones:
+    the sweep sends 5-9 again, and every key ends with 0..14 handled once, in order."""
+    with EmbeddedRedis(tmp_path / "redis") as redis_server:
+        settings = chaos_settings.replace(redis_url=redis_server.url)
+        relay = start_relay(settings, APP, tmp_path / "relay.log")
+        workers = start_worker(settings, APP, tmp_path / "worker.log", 1, 4)
+        try:
+            produce(engine, steps(0, 5), per_transaction=20)
+            wait_until(lambda: scalar(engine, "SELECT count(*) FROM seq_log") == 100, timeout=60)
+            stop_process(workers)
+            produce(engine, steps(5, 10), per_transaction=20)
+            wait_until(
+                lambda: (
+                    scalar(engine, "SELECT count(*) FROM pipeline.outbox WHERE status = 'sent'")
+                    == 200
+                ),
+                timeout=60,
+            )
+            redis_server.kill()
+            redis_server.start()
+            workers = start_worker(settings, APP, tmp_path / "worker2.log", 1, 4)
+            produce(engine, steps(10, 15), per_transaction=20)
+            wait_until(
+                lambda: scalar(engine, "SELECT count(*) FROM seq_log") == 300,
+                timeout=120,
+                interval=0.5,
+            )
+        finally:
+            stop_process(workers)
+            stop_process(relay)
+    seen = seq_log(engine)
+    assert len(seen) == 20
+    for key, ns in seen.items():
+        assert ns == list(range(15)), f"{key} handled out of order or twice: {ns}"
