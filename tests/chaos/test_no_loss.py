@@ -97,11 +97,12 @@ def status_json(settings: Settings) -> tuple[int, dict]:
 def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settings, tmp_path):
     """Postgres drops the workers' connections while handlers run, five times: every
     message they were handling is retried, and every stage runs once per order."""
+    orders = [f"kill-{i}" for i in range(600)]
+    place_orders(engine, orders)  # first: the killer must not hit the test's own connections
     relay = start_relay(chaos_settings, APP, tmp_path / "relay.log")
     workers = start_worker(
         chaos_settings, APP, tmp_path / "worker.log", 2, 4, TEST_HANDLER_SLEEP="0.01"
     )
-    orders = [f"kill-{i}" for i in range(600)]
     killed: list[int] = []
 
     def kill_connections() -> None:
@@ -123,7 +124,6 @@ def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settin
     killer = threading.Thread(target=kill_connections)
     try:
         killer.start()
-        place_orders(engine, orders)
         killer.join(90)
         wait_until(
             lambda: len(stage_counts(engine, "notifications")) == len(orders),
