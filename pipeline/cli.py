@@ -167,7 +167,10 @@ def _relay_metrics(
     def queues() -> list[str]:
         return [*(s.queue for s in runtime.registry.all()), PUBLISH_QUEUE_NAME]
 
-    collectors = [StateCollector(settings, queues)] if state_metrics else []
+    def consumers() -> list[str]:
+        return [s.consumer for s in runtime.registry.all()]
+
+    collectors = [StateCollector(settings, queues, consumers=consumers)] if state_metrics else []
     try:
         return start_metrics_server(settings, "relay", port=port, collectors=collectors)
     except OSError as exc:
@@ -315,7 +318,9 @@ def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
         raise click.BadParameter(f"{event_id!r} is not an event id (a UUID)") from None
     settings = _settings(ctx)
     with connect(settings) as conn:
-        lineage = load_lineage(conn, settings.schema_name, wanted)
+        lineage = load_lineage(
+            conn, settings.schema_name, wanted, horizon=settings.redelivery_horizon_seconds
+        )
     if as_json:
         click.echo(json.dumps(lineage.as_json(), indent=2))
     else:

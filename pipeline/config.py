@@ -99,6 +99,10 @@ class Settings(BaseSettings):
     trace_ui_url: str | None = None
     canary_interval: Annotated[float, Field(ge=0)] = 15.0  # seconds; 0 turns the canary off
 
+    # Delivery ledger: Postgres knows what each consumer is owed; Redis only carries it
+    redelivery_horizon_seconds: PositiveFloat = 60.0  # an outcome overdue this long: send again
+    reconcile_interval_seconds: PositiveFloat = 5.0  # seconds between the relay's ledger sweeps
+
     # Housekeeping
     sent_retention_seconds: PositiveInt = 7 * 24 * 3600
 

@@ -91,6 +91,8 @@ FIELDS_FOR_SUBPROCESSES = (
     "broker_heartbeat_timeout_ms",
     "broker_maintenance_chance",
     "canary_interval",
+    "redelivery_horizon_seconds",
+    "reconcile_interval_seconds",
 )
 
 

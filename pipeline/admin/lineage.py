@@ -33,12 +33,17 @@ class Attempt:
 
 @dataclass
 class Delivery:
+    """One consumer's record of the event; ``owed`` once it has no outcome past the horizon."""
+
     consumer: str
     status: str
     attempts: int
-    received_at: datetime
+    received_at: datetime | None
     processed_at: datetime | None
     last_error_class: str | None
+    delivered_at: datetime | None = None
+    redeliveries: int = 0
+    owed: bool = False
 
 
 @dataclass
@@ -93,9 +98,18 @@ def _trace_id(traceparent: str | None) -> str | None:
 
 
 def load_lineage(
-    conn: psycopg.Connection[Any], schema: str, event_id: uuid.UUID, depth: int = 0
+    conn: psycopg.Connection[Any],
+    schema: str,
+    event_id: uuid.UUID,
+    depth: int = 0,
+    horizon: float = 60.0,
 ) -> Lineage:
-    """The event and, recursively, the follow-up events it caused."""
+    """The event and, recursively, the follow-up events it caused.
+
+    Every consumer the event was delivered to is listed, with an inbox record or without
+    one yet ('delivered': no outcome so far); either is ``owed`` once it has had no
+    outcome for longer than the redelivery ``horizon`` (seconds).
+    """
     queries = queries_for(schema)
     params = {"event_id": event_id}
     row = conn.execute(queries["lineage_event"], params).fetchone()
@@ -120,16 +134,41 @@ def load_lineage(
     lineage.failed_attempts = [
         Attempt(*r) for r in conn.execute(queries["lineage_attempts"], params).fetchall()
     ]
-    lineage.deliveries = [
-        Delivery(*r) for r in conn.execute(queries["lineage_inbox"], params).fetchall()
-    ]
+    lineage.deliveries = _deliveries(
+        conn.execute(queries["lineage_inbox"], params).fetchall(),
+        row[16] or [],
+        row[10],
+        row[17],
+        horizon,
+    )
     lineage.dead_letters = [
         DeadLetter(*r) for r in conn.execute(queries["lineage_dead_letters"], params).fetchall()
     ]
     if depth < MAX_DEPTH:
         for (child,) in conn.execute(queries["lineage_children"], params).fetchall():
-            lineage.follow_ups.append(load_lineage(conn, schema, child, depth + 1))
+            lineage.follow_ups.append(load_lineage(conn, schema, child, depth + 1, horizon))
     return lineage
+
+
+def _deliveries(
+    rows: list[tuple[Any, ...]],
+    consumers: list[str],
+    published_at: datetime | None,
+    now: datetime,
+    horizon: float,
+) -> list[Delivery]:
+    """Inbox records, plus the consumers the event went to that have none yet."""
+    found = {row[0]: Delivery(*row) for row in rows}
+    for consumer in consumers:
+        if consumer not in found:
+            found[consumer] = Delivery(
+                consumer, "delivered", 0, None, None, None, delivered_at=published_at
+            )
+    for delivery in found.values():
+        unfinished = delivery.status in ("delivered", "pending", "failed")
+        since = delivery.delivered_at
+        delivery.owed = unfinished and since is not None and (now - since).total_seconds() > horizon
+    return [found[name] for name in sorted(found)]
 
 
 def trace_url(template: str | None, trace_id: str | None) -> str | None:
@@ -165,9 +204,14 @@ def render(lineage: Lineage, trace_ui_url: str | None = None, indent: str = "") 
             f"{_ms(origin, attempt.at)}: {attempt.error_class}"
         )
     for delivery in lineage.deliveries:
+        notes = [f"{delivery.attempts} attempt(s)"]
+        if delivery.redeliveries:
+            notes.append(f"delivered again {delivery.redeliveries}x")
+        if delivery.owed:
+            notes.append("OWED: no outcome within the redelivery horizon")
         lines.append(
             f"{indent}  consumer   {delivery.consumer}: {delivery.status} "
-            f"{_ms(origin, delivery.processed_at)} ({delivery.attempts} attempt(s))"
+            f"{_ms(origin, delivery.processed_at)} ({', '.join(notes)})"
         )
     for dead in lineage.dead_letters:
         who = f" {dead.consumer}" if dead.consumer else ""

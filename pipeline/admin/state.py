@@ -61,13 +61,24 @@ class DatabaseState:
     backlog: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BACKLOG_STATUSES, 0))
     oldest_pending_age_seconds: float = 0.0
     dead_letters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
+    owed: dict[str, int] = field(default_factory=dict)
+    """Per consumer: deliveries with no outcome past the redelivery horizon."""
+    keys_held: dict[str, int] = field(default_factory=dict)
+    """Per consumer: ordering keys whose later events wait behind such a delivery."""
 
 
-def read_database_state(conn: psycopg.Connection[Any], schema: str) -> DatabaseState:
-    """The ``state_snapshot`` query's answer (raises :class:`MigrationError` without schema)."""
+def read_database_state(
+    conn: psycopg.Connection[Any], schema: str, horizon: float
+) -> DatabaseState:
+    """The ``state_snapshot`` and ``ledger_state`` queries' answers.
+
+    Raises :class:`MigrationError` when the schema is missing.
+    """
     state = DatabaseState()
+    queries = queries_for(schema)
     try:
-        rows = conn.execute(queries_for(schema)["state_snapshot"]).fetchall()
+        rows = conn.execute(queries["state_snapshot"]).fetchall()
+        ledger = conn.execute(queries["ledger_state"], {"horizon": horizon}).fetchall()
     except psycopg.errors.UndefinedTable:
         raise MigrationError(
             f"the pipeline schema {schema!r} is not installed: run `pipeline db upgrade`"
@@ -79,6 +90,9 @@ def read_database_state(conn: psycopg.Connection[Any], schema: str) -> DatabaseS
             state.oldest_pending_age_seconds = max(0.0, float(value))
         elif kind == "dead_letters":
             state.dead_letters[label] = int(value)
+    for consumer, owed, keys in ledger:
+        state.owed[consumer] = int(owed)
+        state.keys_held[consumer] = int(keys)
     return state
 
 
@@ -137,7 +151,8 @@ class StateCollector(Collector):
 
     ``queues`` returns the Dramatiq queue names to measure (the relay passes its
     subscriptions' queues and the publishing queue); their series exist at 0 from the
-    first scrape. Thread-safe: concurrent scrapes share one refresh.
+    first scrape, as do the ledger's series of the ``consumers`` it names. Thread-safe:
+    concurrent scrapes share one refresh.
     """
 
     def __init__(
@@ -146,9 +161,11 @@ class StateCollector(Collector):
         queues: Callable[[], Iterable[str]],
         interval: float | None = None,
         clock: Callable[[], float] = time.monotonic,
+        consumers: Callable[[], Iterable[str]] = tuple,
     ) -> None:
         self.settings = settings
         self.queues = queues
+        self.consumers = consumers
         self.interval = settings.state_metrics_interval if interval is None else interval
         self.clock = clock
         self.refreshes = 0
@@ -199,7 +216,9 @@ class StateCollector(Collector):
             if self._conn is None or self._conn.closed:
                 self._conn = connect(self.settings, autocommit=True)
                 self._conn.execute("SET statement_timeout = '5s'")
-            return read_database_state(self._conn, self.settings.schema_name)
+            return read_database_state(
+                self._conn, self.settings.schema_name, self.settings.redelivery_horizon_seconds
+            )
         except (psycopg.Error, ServiceUnavailableError, MigrationError) as exc:
             log.warning("state metrics: Postgres unreadable", extra={"error_class": _name(exc)})
             self._close_database()
@@ -258,6 +277,17 @@ class StateCollector(Collector):
             "Messages in Dramatiq's dead-letter set of a queue (<namespace>:<queue>.XQ).",
             labels=["queue"],
         )
+        owed = GaugeMetricFamily(
+            "pipeline_deliveries_owed",
+            "Deliveries to a consumer with no outcome past the redelivery horizon "
+            "(the relay's ledger sweep sends them again).",
+            labels=["consumer"],
+        )
+        held = GaugeMetricFamily(
+            "pipeline_ordered_keys_held",
+            "Ordering keys whose later events wait behind a delivery owed to the consumer.",
+            labels=["consumer"],
+        )
         if filled:
             up.add_metric(["postgres"], 1.0 if database is not None else 0.0)
             up.add_metric(["redis"], 1.0 if queues is not None else 0.0)
@@ -268,12 +298,15 @@ class StateCollector(Collector):
             oldest.add_metric([], database.oldest_pending_age_seconds)
             for stage, count in database.dead_letters.items():
                 dead.add_metric([stage], count)
+            for consumer in sorted({*self.consumers(), *database.owed}):
+                owed.add_metric([consumer], database.owed.get(consumer, 0))
+                held.add_metric([consumer], database.keys_held.get(consumer, 0))
         if queues is not None:
             for name, value in queues.items():
                 depth.add_metric([name], value.ready)
                 depth.add_metric([name + DELAY_SUFFIX], value.delayed)
                 dlq.add_metric([name], value.dead)
-        yield from (up, duration, backlog, oldest, dead, depth, dlq)
+        yield from (up, duration, backlog, oldest, dead, depth, dlq, owed, held)
 
 
 def _name(exc: BaseException) -> str:

@@ -1,8 +1,10 @@
 """``pipeline status``: one read of the pipeline's state, judged against thresholds.
 
 Healthy means: no dead letters (publish or consume stage, not yet replayed), nothing
-in Dramatiq's dead-letter sets, and the oldest unsent event younger than the
-threshold. Relays are listed, not judged: an idle relay refreshes its heartbeat only
+in Dramatiq's dead-letter sets, the oldest unsent event younger than the threshold, and
+no delivery owed to a consumer past the redelivery horizon (an event sent, but with no
+outcome for one of its consumers: Redis lost it, or no worker runs that consumer).
+Relays are listed, not judged: an idle relay refreshes its heartbeat only
 when its busy flag changes, so heartbeat age is informational.
 """
 
@@ -44,6 +46,8 @@ class Status:
     dead_letters: dict[str, int]
     relays: list[RelayInfo]
     queues: dict[str, QueueDepth] | None = field(default=None)
+    owed: dict[str, int] = field(default_factory=dict)
+    keys_held: dict[str, int] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -59,7 +63,9 @@ def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -
     with connect(settings, autocommit=True) as conn:
         try:
             conn.execute("SET statement_timeout = '10s'")
-            database = read_database_state(conn, settings.schema_name)
+            database = read_database_state(
+                conn, settings.schema_name, settings.redelivery_horizon_seconds
+            )
             relays = read_relays(conn, settings.schema_name)
         except psycopg.OperationalError as exc:
             raise ServiceUnavailableError(
@@ -85,6 +91,16 @@ def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -
             f"oldest unsent event is {database.oldest_pending_age_seconds:.0f}s old "
             f"(threshold {thresholds.max_pending_age_seconds:.0f}s)"
         )
+    horizon = settings.redelivery_horizon_seconds
+    for consumer, owed in sorted(database.owed.items()):
+        if owed:
+            held = database.keys_held.get(consumer, 0)
+            problems.append(
+                f"{owed} deliveries to {consumer} have no outcome after {horizon:.0f}s"
+                + (f", holding back {held} ordering keys" if held else "")
+                + ": the relay's ledger sweep sends them again; if this persists, check that "
+                "workers run this consumer"
+            )
     for name, depth in sorted((depths or {}).items()):
         if depth.dead:
             problems.append(f"{depth.dead} messages in Dramatiq's dead-letter set of {name}")
@@ -96,6 +112,8 @@ def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -
         dead_letters=database.dead_letters,
         relays=relays,
         queues=depths,
+        owed={consumer: n for consumer, n in database.owed.items() if n},
+        keys_held={consumer: n for consumer, n in database.keys_held.items() if n},
     )
 
 
@@ -108,6 +126,8 @@ def format_status(status: Status) -> str:
     lines.append(f"oldest unsent event: {status.oldest_pending_age_seconds:.1f}s")
     dead = ", ".join(f"{k} {v}" for k, v in status.dead_letters.items())
     lines.append(f"dead letters: {dead}")
+    owed = ", ".join(f"{k} {v}" for k, v in sorted(status.owed.items())) or "none"
+    lines.append(f"deliveries owed past the horizon: {owed}")
     if status.relays:
         lines.append("relays:")
         for relay in status.relays:

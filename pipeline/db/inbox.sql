@@ -31,14 +31,18 @@ RETURNING event_id, attempts;
 
 -- name: inbox_fail
 -- Record a failed attempt (after rolling back the handler's savepoint); returns the attempt.
+-- delivered_at becomes the time the retry is due: the retry's message is owed from then on
+-- (ledger.sql), so a retry that Redis forgets is sent again after the horizon.
 WITH upserted AS (
     INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq, status,
-                                     attempts, last_error, last_error_class)
+                                     attempts, last_error, last_error_class, delivered_at)
     VALUES (%(consumer)s, %(event_id)s, %(event_type)s, %(ordering_key)s, %(seq)s, %(status)s, 1,
-            %(error)s, %(error_class)s)
+            %(error)s, %(error_class)s,
+            clock_timestamp() + make_interval(secs => %(retry_in)s))
     ON CONFLICT (consumer, event_id) DO UPDATE
     SET status = excluded.status, attempts = i.attempts + 1,
-        last_error = excluded.last_error, last_error_class = excluded.last_error_class
+        last_error = excluded.last_error, last_error_class = excluded.last_error_class,
+        delivered_at = excluded.delivered_at
     WHERE i.status IN ('pending', 'failed')
     RETURNING attempts
 ), history AS (

@@ -11,12 +11,17 @@ FROM {schema}.claim_outbox(%(schema_name)s, %(scan_limit)s, %(max_run)s, %(batch
 
 -- name: mark_sent
 -- Commits asynchronously (set_config local to this transaction, as in claim_outbox): a lost
--- outcome only re-publishes, which the inbox absorbs.
+-- outcome only re-publishes, which the inbox absorbs. Records the consumers each event was
+-- delivered to (ledger.sql): ``route_types[i]`` went to the comma-separated
+-- ``route_consumers[i]`` (names are identifiers: no commas).
 UPDATE {schema}.outbox o
 SET status = 'sent', published_at = clock_timestamp(),
-    lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL
-FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit
+    lease_token = NULL, lease_owner = NULL, lease_expires_at = NULL,
+    consumers = string_to_array(r.consumers, ',')
+FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit,
+     unnest(%(route_types)s::text[], %(route_consumers)s::text[]) AS r (event_type, consumers)
 WHERE o.id = ANY(%(ids)s) AND o.lease_token = %(token)s AND o.status = 'publishing'
+  AND o.event_type = r.event_type
 RETURNING o.id, o.event_type, extract(epoch FROM o.published_at - o.created_at)::float8;
 
 -- name: release
@@ -126,7 +131,8 @@ ORDER BY relay_id;
 -- name: lineage_event
 SELECT id, seq, event_type, event_version, aggregate_type, aggregate_id, ordering_key, status,
        attempts, created_at, published_at, last_error_class, last_error,
-       headers ->> 'traceparent', headers ->> 'correlation_id', headers ->> 'causation_id'
+       headers ->> 'traceparent', headers ->> 'correlation_id', headers ->> 'causation_id',
+       consumers, clock_timestamp()
 FROM {schema}.outbox WHERE id = %(event_id)s;
 
 -- name: lineage_children
@@ -137,7 +143,8 @@ SELECT stage, consumer, attempt, error_class, error, occurred_at
 FROM {schema}.attempts WHERE event_id = %(event_id)s ORDER BY occurred_at, id;
 
 -- name: lineage_inbox
-SELECT consumer, status, attempts, received_at, processed_at, last_error_class
+SELECT consumer, status, attempts, received_at, processed_at, last_error_class, delivered_at,
+       redeliveries
 FROM {schema}.inbox WHERE event_id = %(event_id)s ORDER BY consumer;
 
 -- name: lineage_dead_letters

@@ -27,7 +27,7 @@ from sqlalchemy import (
     cast,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB, UUID
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.types import UserDefinedType
 
 SCHEMA = "pipeline"
@@ -90,6 +90,9 @@ outbox = Table(
     Column("last_error_class", Text),
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=_now),
     Column("published_at", DateTime(timezone=True)),
+    # The consumers the event was delivered to, set when it is marked sent: the ledger of
+    # what each of them is owed (their inbox rows hold the outcomes).
+    Column("consumers", ARRAY(Text)),
     _status_check("outbox_status_check", OUTBOX_STATUSES),
     Index("outbox_unsent_idx", "seq", postgresql_where=UNSENT),
     Index(
@@ -120,6 +123,9 @@ inbox = Table(
     Column("processed_at", DateTime(timezone=True)),
     Column("last_error", Text),
     Column("last_error_class", Text),
+    # When a copy was last handed to the broker for this consumer (or its retry is due).
+    Column("delivered_at", DateTime(timezone=True), nullable=False, server_default=_now),
+    Column("redeliveries", Integer, nullable=False, server_default=text("0")),
     PrimaryKeyConstraint("consumer", "event_id", name="inbox_pkey"),
     _status_check("inbox_status_check", ("pending", "processed", "failed", "dead")),
     Index("inbox_processed_idx", "processed_at"),
@@ -131,6 +137,9 @@ inbox = Table(
         postgresql_where=text("status IN ('pending', 'failed')"),
     ),
     Index("inbox_event_idx", "event_id"),
+    Index(
+        "inbox_owed_idx", "delivered_at", postgresql_where=text("status IN ('pending', 'failed')")
+    ),
 )
 
 attempts = Table(
@@ -190,4 +199,13 @@ relay_state = Table(
     Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=_now),
     Column("host", Text, nullable=False),
     Column("pid", Integer, nullable=False),
+)
+
+delivery_sweep = Table(
+    "delivery_sweep",
+    metadata,
+    Column("id", Boolean, primary_key=True, server_default=text("true")),
+    Column("swept_to", DateTime(timezone=True), nullable=False, server_default=_now),
+    Column("sweeps", BigInteger, nullable=False, server_default=text("0")),
+    CheckConstraint("id", name="delivery_sweep_one_row"),
 )

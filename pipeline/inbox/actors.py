@@ -7,8 +7,9 @@
 
 Handler exceptions never reach Dramatiq (the processor retries them with its own
 bookkeeping); what does reach it is an infrastructure failure (database or Redis
-down), which Dramatiq's Retries middleware re-delivers with backoff — the inbox
-makes the re-delivery harmless.
+down, the connection killed), which Dramatiq's Retries middleware re-delivers with
+capped exponential backoff — counted and logged here, and made harmless by the inbox.
+Should Redis lose even that retry, the relay's ledger sweep delivers the event again.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from pipeline.config import Settings
 from pipeline.db.connect import make_engine
 from pipeline.inbox.consumer import check_retention, definitions
 from pipeline.inbox.processor import InboxProcessor, envelope_id, record_unreadable
+from pipeline.observability import metrics
 from pipeline.registry import Registry, actor_name_for
 
 log = logging.getLogger("pipeline.inbox")
-INFRASTRUCTURE_RETRIES = 1000
+INFRASTRUCTURE_RETRIES = 1000  # at up to a minute apart: most of a day before giving up
+INFRASTRUCTURE_MIN_BACKOFF_MS = 100
+INFRASTRUCTURE_MAX_BACKOFF_MS = 60_000
 ACTOR_PREFIX = actor_name_for("")
 
 
@@ -61,6 +65,28 @@ class ProcessEngine:
         if self._engine is not None and self._pid == os.getpid():
             self._engine.dispose()
         self._engine = None
+
+
+class CountInfrastructureRetries(Middleware):
+    """One metric increment and one log line per inbox message that failed outside its
+    handlers (Dramatiq's Retries middleware sends it again)."""
+
+    def after_process_message(
+        self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
+    ) -> None:
+        if exception is None or not message.actor_name.startswith(ACTOR_PREFIX):
+            return
+        consumer = message.actor_name.removeprefix(ACTOR_PREFIX)
+        error_class = type(exception).__name__
+        metrics.inbox_infrastructure_retries.labels(consumer, error_class).inc()
+        log.warning(
+            "message failed outside its handlers; it will be retried",
+            extra={
+                "consumer": consumer,
+                "error_class": error_class,
+                "retries": message.options.get("retries", 0),
+            },
+        )
 
 
 class DeadLetterUnknownActors(Middleware):
@@ -103,6 +129,7 @@ def declare_inbox_actors(
     """Bind an inbox actor for every consumer with a handler in this process."""
     check_retention(settings, consumers)
     broker.add_middleware(DeadLetterUnknownActors(settings, engine))
+    broker.add_middleware(CountInfrastructureRetries())
     broker.undecodable_sink = lambda queue, data, reason: record_unreadable(
         settings, engine(), queue, reason, raw=data
     )
@@ -111,21 +138,25 @@ def declare_inbox_actors(
         actor_ref: list[dramatiq.Actor[Any, Any]] = []
 
         def resend(
-            envelopes: list[dict[str, Any]], delay: float, ref: list[Any] = actor_ref
+            envelopes: list[dict[str, Any]],
+            delay: float,
+            deferrals: int,
+            ref: list[Any] = actor_ref,
         ) -> None:
-            ref[0].send_with_options(args=(envelopes,), delay=int(delay * 1000))
+            kwargs = {"deferrals": deferrals} if deferrals else None
+            ref[0].send_with_options(args=(envelopes,), kwargs=kwargs, delay=int(delay * 1000))
 
         processor = InboxProcessor(settings, subscription, definition, engine, resend)
         options: dict[str, Any] = {
             "max_retries": INFRASTRUCTURE_RETRIES,
-            "min_backoff": 100,
-            "max_backoff": 60_000,
+            "min_backoff": INFRASTRUCTURE_MIN_BACKOFF_MS,
+            "max_backoff": INFRASTRUCTURE_MAX_BACKOFF_MS,
         }
         if definition.time_limit is not None:
             options["time_limit"] = int(definition.time_limit * 1000)
 
-        def run(envelopes: Any, processor: InboxProcessor = processor) -> None:
-            processor.handle(envelopes)
+        def run(envelopes: Any, deferrals: int = 0, processor: InboxProcessor = processor) -> None:
+            processor.handle(envelopes, deferrals)
 
         actor: dramatiq.Actor[Any, Any] = dramatiq.Actor(
             run,

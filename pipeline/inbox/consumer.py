@@ -44,9 +44,11 @@ class ConsumerDefinition:
         high = self.max_backoff if self.max_backoff is not None else settings.consumer_backoff_max
         return low, max(low, high)
 
-    def redelivery_horizon(self, settings: Settings) -> float:
-        """The longest a retry of one event can come after its first attempt (seconds)."""
-        return self.retries(settings) * self.backoff_bounds(settings)[1]
+    def retry_horizon(self, settings: Settings) -> float:
+        """The longest a copy of one event can come after its first attempt (seconds): every
+        retry at its longest backoff, then the ledger's redelivery horizon."""
+        retries = self.retries(settings) * self.backoff_bounds(settings)[1]
+        return retries + settings.redelivery_horizon_seconds
 
 
 def consumer(
@@ -91,16 +93,17 @@ def definitions(consumers: Registry) -> list[tuple[Subscription, ConsumerDefinit
 
 
 def check_retention(settings: Settings, consumers: Registry) -> None:
-    """Refuse an inbox retention shorter than the longest redelivery horizon.
+    """Refuse an inbox retention shorter than the longest retry horizon.
 
     A retry that arrives after its inbox row was pruned would run the handler again,
     so pruning must never outpace retries.
     """
     for subscription, definition in definitions(consumers):
-        horizon = definition.redelivery_horizon(settings)
+        horizon = definition.retry_horizon(settings)
         if settings.inbox_retention_seconds < horizon:
             raise ConfigurationError(
                 f"PIPELINE_INBOX_RETENTION_SECONDS={settings.inbox_retention_seconds} is shorter "
-                f"than consumer {subscription.consumer!r}'s redelivery horizon of {horizon:.0f} s "
-                "(max_retries x max_backoff); a late retry could be processed twice"
+                f"than consumer {subscription.consumer!r}'s retry horizon of {horizon:.0f} s "
+                "(max_retries x max_backoff + PIPELINE_REDELIVERY_HORIZON_SECONDS); a late copy "
+                "could be processed twice"
             )

@@ -50,7 +50,10 @@ from pipeline.observability import metrics, tracing
 from pipeline.registry import Subscription
 
 log = logging.getLogger("pipeline.inbox")
-DEFER_DELAY = 0.05  # seconds before a deferred ordered event looks at its predecessor again
+DEFER_DELAY = 0.05  # seconds before a deferred ordered event first looks at its predecessor again
+DEFER_DELAY_MAX = 2.0  # the wait doubles with each deferral up to this: a held key costs little
+Resender = Callable[[list[dict[str, Any]], float, int], None]
+"""Sends envelopes again after a delay (seconds), with the number of deferrals so far."""
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Resend:
 
     envelopes: list[dict[str, Any]]
     delay: float
+    deferrals: int = 0  # deferrals so far (ordered events waiting for a predecessor)
 
 
 @dataclass
@@ -94,7 +98,7 @@ class InboxProcessor:
         subscription: Subscription,
         definition: ConsumerDefinition,
         engine: Callable[[], Engine],
-        resend: Callable[[list[dict[str, Any]], float], None],
+        resend: Resender,
         upcaster_registry: Upcasters = upcasters,
     ) -> None:
         self.settings = settings
@@ -108,8 +112,11 @@ class InboxProcessor:
         self.min_backoff, self.max_backoff = definition.backoff_bounds(settings)
 
     # -- a message -------------------------------------------------------------------------
-    def handle(self, envelopes: Any) -> Outcome:
-        """Process one message's envelopes; re-sends and dead letters are done on return."""
+    def handle(self, envelopes: Any, deferrals: int = 0) -> Outcome:
+        """Process one message's envelopes; re-sends and dead letters are done on return.
+
+        ``deferrals`` counts how often these envelopes already waited for a predecessor.
+        """
         outcome = Outcome()
         if not isinstance(envelopes, list) or not envelopes:
             self._dead_letter_unreadable(
@@ -132,7 +139,7 @@ class InboxProcessor:
                 session.begin()
                 try:
                     if self.subscription.ordered:
-                        self._handle_events(session, events, outcome)
+                        self._handle_events(session, events, outcome, deferrals)
                     else:
                         self._handle_batch(session, events, outcome, committed)
                     session.commit()
@@ -141,7 +148,7 @@ class InboxProcessor:
                     raise
         self._count(committed, outcome)
         for resend in outcome.resends:
-            self.resend(resend.envelopes, resend.delay)
+            self.resend(resend.envelopes, resend.delay, resend.deferrals)
         return outcome
 
     def _handle_batch(
@@ -275,8 +282,15 @@ class InboxProcessor:
         session: Session,
         events: Sequence[tuple[dict[str, Any], ReceivedEvent]],
         outcome: Outcome,
+        deferrals: int = 0,
     ) -> None:
-        """Ordered consumers: events one by one, deferring those whose predecessor is unfinished."""
+        """Ordered consumers: events one by one, deferring those whose predecessor is unfinished.
+
+        A deferred event waits twice as long each time (up to ``DEFER_DELAY_MAX``): a key
+        held for long (its head retried with backoff, or owed and re-sent by the relay's
+        ledger sweep) costs a message every few seconds, not a busy loop.
+        """
+        defer_delay = min(DEFER_DELAY * 2**deferrals, DEFER_DELAY_MAX)
         held: dict[str, Resend] = {}  # ordered keys waiting for an earlier event
         # A message's only event needs no savepoint: its transaction is one (two round
         # trips fewer per event on the common path of lightly loaded consumers).
@@ -288,7 +302,7 @@ class InboxProcessor:
                 outcome.deferred += 1
                 continue
             if key is not None and self._predecessor_unfinished(session.connection(), event):
-                held[key] = Resend([envelope], DEFER_DELAY)
+                held[key] = Resend([envelope], defer_delay, deferrals + 1)
                 outcome.deferred += 1
                 continue
             retry = self._handle_one(session, envelope, event, outcome, alone)
@@ -369,11 +383,13 @@ class InboxProcessor:
         metrics.inbox_failures.labels(consumer, event.type, type(exc).__name__).inc()
         permanent = isinstance(exc, self.definition.non_retryable)
         dead = permanent or attempt > self.max_retries
+        delay = 0.0 if dead else self._retry_delay(attempt)
         params = {
             **self._key_params(event),
             "error": error_text(exc),
             "error_class": type(exc).__name__,
             "status": "dead" if dead else "failed",
+            "retry_in": delay,
         }
         recorded = connection.exec_driver_sql(self.queries.text("inbox_fail"), params).first()
         if recorded is None:
@@ -393,7 +409,6 @@ class InboxProcessor:
             tracing.record_dead_letter(span, reason)
             outcome.dead += 1
             return None
-        delay = max(self.min_backoff, full_jitter(attempt, self.min_backoff, self.max_backoff))
         tracing.record_retry(span, exc, delay)
         metrics.inbox_retries.labels(consumer, event.type).inc()
         log.warning(
@@ -408,6 +423,9 @@ class InboxProcessor:
         )
         outcome.retried += 1
         return Resend([envelope], delay)
+
+    def _retry_delay(self, attempt: int) -> float:
+        return max(self.min_backoff, full_jitter(attempt, self.min_backoff, self.max_backoff))
 
     def _key_params(self, event: ReceivedEvent) -> dict[str, Any]:
         return {

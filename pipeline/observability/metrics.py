@@ -105,6 +105,16 @@ dead_letters = Counter(
     "Events dead-lettered, by stage (publish or consume).",
     ["stage", "event_type", "error_class"],
 )
+redeliveries = Counter(
+    "pipeline_redeliveries_total",
+    "Deliveries the relay's ledger sweep sent again: no outcome within the redelivery horizon.",
+    ["consumer"],
+)
+inbox_infrastructure_retries = Counter(
+    "pipeline_inbox_infrastructure_retries_total",
+    "Messages a worker failed on an infrastructure error (database, broker, crash) and retries.",
+    ["consumer", "error_class"],
+)
 relay_wakeups = Counter(
     "pipeline_relay_wakeups_total",
     "Relay wake-ups by source: notify, poll or reconnect.",

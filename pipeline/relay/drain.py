@@ -60,25 +60,37 @@ def plan_deliveries(
     that failed before travels alone: a poison event then fails only its own key and
     never again takes unrelated events down with it.
     """
-    deliveries: list[Delivery] = []
-    per_consumer: dict[str, tuple[Subscription, dict[object, list[OutboxEvent]]]] = {}
+    per_consumer: dict[str, tuple[Subscription, list[OutboxEvent]]] = {}
     for event in events:
         for subscription in registry.routes_for(event.event_type):
-            _, units = per_consumer.setdefault(subscription.consumer, (subscription, {}))
-            unit_key: object = event.ordering_key if event.ordering_key is not None else event.id
-            units.setdefault(unit_key, []).append(event)
-    for subscription, units in per_consumer.values():
-        current: list[OutboxEvent] = []
-        for unit in units.values():
-            if unit[0].attempts > 1:  # retried: isolate it
-                deliveries.append(Delivery(subscription, unit))
-                continue
-            if current and len(current) + len(unit) > max_events_per_message:
-                deliveries.append(Delivery(subscription, current))
-                current = []
-            current.extend(unit)
-        if current:
+            per_consumer.setdefault(subscription.consumer, (subscription, []))[1].append(event)
+    return [
+        delivery
+        for subscription, routed in per_consumer.values()
+        for delivery in pack_deliveries(subscription, routed, max_events_per_message)
+    ]
+
+
+def pack_deliveries(
+    subscription: Subscription, events: Sequence[OutboxEvent], max_events_per_message: int
+) -> list[Delivery]:
+    """One consumer's events (in sequence order) as messages of whole key runs."""
+    units: dict[object, list[OutboxEvent]] = {}
+    for event in events:
+        unit_key: object = event.ordering_key if event.ordering_key is not None else event.id
+        units.setdefault(unit_key, []).append(event)
+    deliveries: list[Delivery] = []
+    current: list[OutboxEvent] = []
+    for unit in units.values():
+        if unit[0].attempts > 1:  # retried: isolate it
+            deliveries.append(Delivery(subscription, unit))
+            continue
+        if current and len(current) + len(unit) > max_events_per_message:
             deliveries.append(Delivery(subscription, current))
+            current = []
+        current.extend(unit)
+    if current:
+        deliveries.append(Delivery(subscription, current))
     return deliveries
 
 
@@ -211,7 +223,7 @@ class Drainer:
                 retry.append((event, error))
         statements: list[tuple[str, dict[str, Any]]] = []
         if sent:
-            statements.append(("mark_sent", {"ids": sent, "token": token}))
+            statements.append(("mark_sent", self._mark_sent_params(token, events, sent)))
             expected = self._expected_deliveries(events, set(sent))
             if expected is not None:
                 statements.append(("inbox_expect", expected))
@@ -263,6 +275,21 @@ class Drainer:
                 for name, params in statements:
                     cursors[name] = self.conn.execute(self.queries[name], params, binary=True)
         return cursors.get("mark_sent")
+
+    def _mark_sent_params(
+        self, token: int, events: list[OutboxEvent], sent: list[uuid.UUID]
+    ) -> dict[str, Any]:
+        """mark_sent's parameters: the ids, and the consumers of each event type among them."""
+        types = sorted({event.event_type for event in events})
+        return {
+            "ids": sent,
+            "token": token,
+            "route_types": types,
+            "route_consumers": [
+                ",".join(s.consumer for s in self.registry.routes_for(event_type))
+                for event_type in types
+            ],
+        }
 
     def _expected_deliveries(
         self, events: list[OutboxEvent], sent: set[uuid.UUID]

@@ -41,6 +41,7 @@ from pipeline.observability import metrics
 from pipeline.registry import Registry
 from pipeline.relay.canary import emit_canary
 from pipeline.relay.drain import Drainer
+from pipeline.relay.ledger import DeliveryLedger
 from pipeline.relay.listener import Listener
 from pipeline.transport.publisher import Publisher, PublisherUnavailable
 
@@ -131,6 +132,8 @@ class Relay:
         self._conn: psycopg.Connection[Any] | None = None
         self.cycles = 0
         self._next_canary = 0.0  # the first canary goes out at start-up
+        self.ledger = DeliveryLedger(settings, registry, publisher)
+        self._next_sweep = 0.0
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
@@ -188,6 +191,8 @@ class Relay:
             if self.settings.canary_interval and time.monotonic() >= self._next_canary:
                 emit_canary(conn, self.settings.schema_name)
                 self._next_canary = time.monotonic() + self.settings.canary_interval
+            if time.monotonic() >= self._next_sweep:
+                self._sweep_ledger(conn)
             metrics.relay_wakeups.labels(source).inc()
             self.cycles += 1
             found, backlog = self._cycle(drainer)
@@ -204,6 +209,23 @@ class Relay:
                 interval = self.settings.poll_interval_min  # due but held back: look again soon
             else:
                 interval = min(interval * 2, self.settings.poll_interval_max)
+
+    def _sweep_ledger(self, conn: psycopg.Connection[Any]) -> None:
+        """Send again what consumers are owed past the horizon (``ledger.py``).
+
+        Postgres and broker outages propagate (the loop retries them); any other database
+        error is logged and the sweep tried again next interval, never stopping publishing.
+        """
+        self._next_sweep = time.monotonic() + self.settings.reconcile_interval_seconds
+        try:
+            self.ledger.sweep(conn)
+        except psycopg.OperationalError:
+            raise
+        except psycopg.Error as exc:
+            log.error(
+                "ledger sweep failed; retrying next interval",
+                extra={"error_class": type(exc).__name__, "error": str(exc).splitlines()[0]},
+            )
 
     def _cycle(self, drainer: Drainer) -> tuple[int, bool]:
         """Publish what is due; returns (events found, whether a backlog remains)."""

@@ -17,9 +17,11 @@ removed, instead of being stuck in the consumer's un-acked set.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
 from typing import Any
 
 import redis
@@ -32,6 +34,7 @@ from dramatiq.middleware import (
     AgeLimit,
     Callbacks,
     Pipelines,
+    Retries,
     ShutdownNotifications,
     TimeLimit,
 )
@@ -143,6 +146,26 @@ class PipelineRedisBroker(RedisBroker):
                 extra={"queue": queue_name, "error_class": type(exc).__name__},
             )
 
+    def oldest_waiting(self, queue_name: str) -> datetime | None:
+        """When the message at the head of the queue was enqueued; None when none waits.
+
+        Dramatiq appends to the queue's list and fetches from its head, so the head is
+        the oldest message not yet fetched. An unreadable head counts as none: whatever
+        it is, it carries no delivery.
+        """
+        queue = f"{self.namespace}:{queue_name}"
+        head = self.client.lindex(queue, 0)
+        if head is None:
+            return None
+        body = self.client.hget(f"{queue}.msgs", head)
+        try:
+            millis = json.loads(body)["message_timestamp"] if body is not None else None
+        except (ValueError, TypeError, KeyError):
+            return None
+        if not isinstance(millis, int | float):
+            return None
+        return datetime.fromtimestamp(millis / 1000, tz=UTC)
+
     def push_wake(self, pipe: Any, queue_name: str) -> None:
         """Add to ``pipe`` the commands that leave one wake-up on the queue's list."""
         key = wake_key(self.namespace, queue_name)
@@ -198,13 +221,24 @@ class PipelineRedisBroker(RedisBroker):
 def make_broker(settings: Settings, middleware: list[Any] | None = None) -> PipelineRedisBroker:
     """A broker for the configured Redis (``redis://``, ``rediss://`` TLS, or ``unix://``).
 
-    Dramatiq's Retries middleware is left out on purpose: the inbox retries with its
-    own bookkeeping (attempt history, dead letters in Postgres).
+    Dramatiq's Retries middleware sends a message whose actor raised back to the queue
+    with exponential backoff (without it, Dramatiq 2 acknowledges the message and it is
+    gone). Handler errors never reach it — the inbox retries those with its own
+    bookkeeping (attempt history, dead letters in Postgres) — so what it retries is an
+    infrastructure failure: the database or Redis went away mid-message. Each actor
+    sets its own limits (``max_retries``, ``min_backoff``, ``max_backoff``).
     """
     stack = (
         middleware
         if middleware is not None
-        else [AgeLimit(), TimeLimit(), ShutdownNotifications(), Callbacks(), Pipelines()]
+        else [
+            AgeLimit(),
+            TimeLimit(),
+            ShutdownNotifications(),
+            Callbacks(),
+            Pipelines(),
+            Retries(),
+        ]
     )
     return PipelineRedisBroker(  # type: ignore[no-untyped-call]
         url=settings.require_redis_url(),

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, Protocol
 
 import redis
@@ -48,6 +49,11 @@ class Publisher(Protocol):
     """
 
     def deliver(self, deliveries: Sequence[Delivery]) -> list[BaseException | None]: ...
+
+    def oldest_waiting(self, queue: str) -> datetime | None:
+        """When the oldest delivery still waiting in the transport for ``queue`` was handed
+        over, or None when none waits (the ledger sweep leaves younger deliveries alone)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -140,6 +146,13 @@ class DramatiqRedisPublisher:
             self._dispatch.sha = self.broker.client.script_load(self._dispatch.script)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
+
+    def oldest_waiting(self, queue: str) -> datetime | None:
+        try:
+            waiting: datetime | None = self.broker.oldest_waiting(queue)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
+        return waiting
 
     def close(self) -> None:
         self.broker.client.close()

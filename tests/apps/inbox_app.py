@@ -17,6 +17,7 @@ from pipeline.inbox import HandlerContext, consumer
 from pipeline.inbox.http import idempotent_post
 
 FAIL_RATE = float(os.environ.get("TEST_FAIL_RATE", "0"))
+HANDLER_SLEEP = float(os.environ.get("TEST_HANDLER_SLEEP", "0"))  # seconds inside the transaction
 PAYMENT_API = os.environ.get("TEST_PAYMENT_API", "")
 _http = httpx.Client(timeout=10)
 
@@ -35,6 +36,8 @@ def effect(ctx: HandlerContext, stage: str, event: ReceivedEvent) -> None:
         text("INSERT INTO effects (stage, order_id, event_id) VALUES (:s, :o, :e)"),
         {"s": stage, "o": event.data["order_id"], "e": str(event.id)},
     )
+    if HANDLER_SLEEP:  # a window in which the tests kill the worker's connection
+        time.sleep(HANDLER_SLEEP)
 
 
 @consumer("ledger", ["entry.booked"], min_backoff=0.05, max_backoff=0.2)

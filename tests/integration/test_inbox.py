@@ -332,7 +332,7 @@ def test_garbage_and_unknown_consumer_messages_are_dead_lettered(engine, inbox_s
     assert "not json at all" in raw
 
 
-def test_retention_shorter_than_redelivery_horizon_is_refused(settings):
+def test_retention_shorter_than_retry_horizon_is_refused(settings):
     from pipeline.errors import ConfigurationError
     from pipeline.inbox.consumer import check_retention, consumer
 
@@ -340,9 +340,10 @@ def test_retention_shorter_than_redelivery_horizon_is_refused(settings):
     consumer("slowpoke", ["x"], max_retries=10, max_backoff=3600, registry=routes)(
         lambda event, ctx: None
     )
-    with pytest.raises(ConfigurationError, match="redelivery horizon of 36000 s"):
-        check_retention(settings.replace(inbox_retention_seconds=3600), routes)
-    check_retention(settings.replace(inbox_retention_seconds=36000), routes)
+    bounded = settings.replace(redelivery_horizon_seconds=60)
+    with pytest.raises(ConfigurationError, match="retry horizon of 36060 s"):
+        check_retention(bounded.replace(inbox_retention_seconds=36059), routes)
+    check_retention(bounded.replace(inbox_retention_seconds=36060), routes)
 
 
 def test_a_dead_lettered_envelope_does_not_block_its_key_for_an_ordered_consumer(
@@ -427,7 +428,7 @@ def direct_processor(engine, settings: Settings, routes: Registry, resent: list 
         subscription,
         definition,
         lambda: engine,
-        lambda envelopes, delay: sink.append([e["id"] for e in envelopes]),
+        lambda envelopes, delay, deferrals: sink.append([e["id"] for e in envelopes]),
     )
 
 

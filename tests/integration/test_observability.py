@@ -222,7 +222,11 @@ def test_three_stage_workflow_is_one_trace_through_the_real_inbox(engine, relay_
     runtime = build_runtime(relay_settings, routes, set_global_broker=False)
     processors = {
         sub.queue: InboxProcessor(
-            relay_settings, sub, definition, lambda: engine, lambda envelopes, delay: None
+            relay_settings,
+            sub,
+            definition,
+            lambda: engine,
+            lambda envelopes, delay, deferrals: None,
         )
         for sub, definition in definitions(routes)
     }
@@ -724,8 +728,11 @@ def test_status_json_reports_state_and_exit_codes(engine, runtime, settings):
         "dead_letters",
         "relays",
         "queues",
+        "owed",
+        "keys_held",
     }
     assert report["healthy"] is True and report["problems"] == []
+    assert report["owed"] == {} and report["keys_held"] == {}
     assert report["backlog"] == {"pending": 0, "publishing": 0}
     assert report["dead_letters"] == {"publish": 0, "consume": 0}
     assert report["relays"] == []

@@ -92,7 +92,7 @@ def test_fencing_token_stops_a_publisher_whose_lease_expired(engine, runtime):
     slow.conn.execute("UPDATE pipeline.outbox SET lease_expires_at = now() - interval '1 s'")
     assert fast.run_batch().sent == 1  # the expired lease was reclaimed
     rows = slow.conn.execute(
-        slow.queries["mark_sent"], {"ids": [events[0].id], "token": token}
+        slow.queries["mark_sent"], slow._mark_sent_params(token, events, [events[0].id])
     ).fetchall()
     assert rows == []  # the stale publisher's write is fenced off
     attempts = slow.conn.execute("SELECT attempts FROM pipeline.outbox").fetchone()
@@ -406,7 +406,9 @@ def test_relay_transactions_commit_asynchronously_without_touching_the_session(e
         assert drainer.conn.execute(show).fetchone() == ("off",)
     assert len(events) == 1
     with drainer.conn.transaction():
-        drainer.conn.execute(drainer.queries["mark_sent"], {"ids": [events[0].id], "token": token})
+        drainer.conn.execute(
+            drainer.queries["mark_sent"], drainer._mark_sent_params(token, events, [events[0].id])
+        )
         assert drainer.conn.execute(show).fetchone() == ("off",)
     assert drainer.conn.execute(show).fetchone() == ("on",)
     assert drainer.run_batch().claimed == 0

@@ -1,0 +1,213 @@
+"""The delivery ledger's sweep: send again what a consumer is owed past the horizon.
+
+Redis carries deliveries; Postgres is their source of truth. Each event marked sent
+records the consumers it went to (``outbox.consumers``), and each consumer's inbox row
+holds the outcome, so for every (event, consumer) Postgres can tell whether it was
+processed, dead-lettered, or is still owed. A Redis that forgets (restart without
+persistence, the AOF's last second, eviction, failover to an empty replica) or a worker
+that dropped a message therefore delays an event but cannot lose it:
+
+1. sent events that reached the horizon (``PIPELINE_REDELIVERY_HORIZON_SECONDS``) with
+   no inbox row for one of their consumers get a 'pending' row dated at publication;
+2. unfinished rows ('pending', 'failed') whose last delivery (or due retry) is older
+   than the horizon are delivered again, oldest first, through the same publisher the
+   relay uses, and their ``delivered_at`` and ``redeliveries`` are updated.
+
+A delivery younger than the oldest message still waiting on its consumer's queue may
+be in that queue, so it is not owed yet: a consumer that is merely behind is never sent
+copies of its backlog. Rows a worker holds (it is processing them) are skipped, and
+ordered consumers' later events wait behind a predecessor that is still on its way.
+The inbox absorbs any copy that was not needed after all. One relay sweeps at a time
+(an advisory lock), every ``PIPELINE_RECONCILE_INTERVAL_SECONDS``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+import psycopg
+
+from pipeline.config import Settings
+from pipeline.db.queries import queries_for
+from pipeline.envelope import OutboxEvent
+from pipeline.observability import metrics
+from pipeline.registry import Registry, Subscription
+from pipeline.relay.drain import pack_deliveries
+from pipeline.transport.publisher import Delivery, Publisher
+
+log = logging.getLogger("pipeline.relay.ledger")
+
+SWEEP_OVERLAP = timedelta(seconds=5)
+"""How far each sweep looks back before the previous one's end: a sent mark is committed
+in the round trip that makes it, so a few seconds covers any late commit."""
+
+CLOCK_MARGIN = timedelta(seconds=1)
+"""Queue messages carry their enqueuer's clock, the ledger the database's."""
+
+SWEEP_LIMIT = 2000
+"""Owed deliveries sent again per sweep at most (bounded work; the next sweep goes on)."""
+
+
+@dataclass
+class SweepResult:
+    """What one sweep did; ``skipped`` when another relay holds the sweep."""
+
+    skipped: bool = False
+    accounted: int = 0  # sent events' deliveries newly recorded as owed
+    redelivered: Counter[str] = field(default_factory=Counter)  # by consumer
+    vanished: int = 0
+
+
+class DeliveryLedger:
+    """Runs the sweep on the relay's connection; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        registry: Registry,
+        publisher: Publisher,
+    ) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.publisher = publisher
+        self.queries = queries_for(settings.schema_name)
+
+    def sweep(self, conn: psycopg.Connection[Any]) -> SweepResult:
+        """One sweep in one transaction; raises if Postgres or the broker fails (nothing lost)."""
+        result = SweepResult()
+        with conn.transaction():
+            locked = conn.execute(
+                self.queries["ledger_lock"], {"schema_name": self.settings.schema_name}
+            ).fetchone()
+            if not locked or not locked[0]:
+                result.skipped = True
+                return result
+            horizon = self.settings.redelivery_horizon_seconds
+            window = conn.execute(self.queries["ledger_window"], {"horizon": horizon}).fetchone()
+            assert window is not None  # an upsert returns its row
+            swept_to, until = window
+            if until > swept_to:
+                since = swept_to - SWEEP_OVERLAP
+                accounted = conn.execute(
+                    self.queries["ledger_account"], {"since": since, "until": until}
+                )
+                result.accounted = accounted.rowcount
+                conn.execute(self.queries["ledger_advance"], {"until": until})
+            self._redeliver(conn, until, result)
+        return result
+
+    def _redeliver(
+        self, conn: psycopg.Connection[Any], horizon_cutoff: datetime, result: SweepResult
+    ) -> None:
+        subscriptions = {s.consumer: s for s in self.registry.all()}
+        if not subscriptions:
+            return
+        names = sorted(subscriptions)
+        cutoffs = []
+        for name in names:
+            waiting = self.publisher.oldest_waiting(subscriptions[name].queue)
+            if waiting is not None:  # enqueued on another clock: leave it a margin
+                waiting -= CLOCK_MARGIN
+            cutoffs.append(horizon_cutoff if waiting is None else min(horizon_cutoff, waiting))
+        rows = conn.execute(
+            self.queries["ledger_owed"],
+            {
+                "consumers": names,
+                "cutoffs": cutoffs,
+                "ordered": [subscriptions[name].ordered for name in names],
+                "limit": SWEEP_LIMIT,
+            },
+        ).fetchall()
+        if not rows:
+            return
+        owed: dict[str, list[OutboxEvent]] = {}
+        vanished: list[tuple[str, uuid.UUID]] = []
+        for row in rows:
+            consumer, event_id = row[0], row[1]
+            if row[2] is None:  # the event row is gone
+                vanished.append((consumer, event_id))
+                continue
+            owed.setdefault(consumer, []).append(_event(event_id, row[2:]))
+        if vanished:
+            self._record_vanished(conn, vanished, result)
+        deliveries: list[Delivery] = []
+        for consumer, events in owed.items():
+            events.sort(key=lambda event: event.seq)
+            deliveries.extend(
+                pack_deliveries(
+                    subscriptions[consumer], events, self.settings.max_events_per_message
+                )
+            )
+        outcomes = self.publisher.deliver(deliveries)
+        sent = [
+            (delivery.subscription, event)
+            for delivery, outcome in zip(deliveries, outcomes, strict=True)
+            if outcome is None
+            for event in delivery.events
+        ]
+        if sent:
+            conn.execute(
+                self.queries["ledger_redelivered"],
+                {
+                    "consumers": [subscription.consumer for subscription, _ in sent],
+                    "event_ids": [event.id for _, event in sent],
+                },
+            )
+        self._count(sent, result)
+
+    def _record_vanished(
+        self,
+        conn: psycopg.Connection[Any],
+        vanished: list[tuple[str, uuid.UUID]],
+        result: SweepResult,
+    ) -> None:
+        conn.execute(
+            self.queries["ledger_vanished"],
+            {
+                "consumers": [consumer for consumer, _ in vanished],
+                "event_ids": [event_id for _, event_id in vanished],
+            },
+        )
+        result.vanished = len(vanished)
+        log.error(
+            "owed deliveries whose events are no longer in the outbox were dead-lettered",
+            extra={"count": len(vanished)},
+        )
+
+    def _count(self, sent: list[tuple[Subscription, OutboxEvent]], result: SweepResult) -> None:
+        for subscription, _ in sent:
+            result.redelivered[subscription.consumer] += 1
+        for consumer, count in result.redelivered.items():
+            metrics.redeliveries.labels(consumer).inc(count)
+            log.warning(
+                "delivered events again: no outcome within the redelivery horizon",
+                extra={
+                    "consumer": consumer,
+                    "count": count,
+                    "horizon_seconds": self.settings.redelivery_horizon_seconds,
+                },
+            )
+
+
+def _event(event_id: uuid.UUID, row: tuple[Any, ...]) -> OutboxEvent:
+    seq, aggregate_type, aggregate_id, ordering_key, event_type, version = row[:6]
+    payload_json, headers_json, attempts, created_at = row[6:10]
+    return OutboxEvent(
+        id=event_id,
+        seq=seq,
+        aggregate_type=aggregate_type,
+        aggregate_id=aggregate_id,
+        ordering_key=ordering_key,
+        event_type=event_type,
+        event_version=version,
+        payload_json=payload_json,
+        headers_json=headers_json or json.dumps({}),
+        attempts=attempts,
+        created_at=created_at,
+    )
