@@ -7,6 +7,7 @@ depends on which provider is (or is not) installed runs as a subprocess.
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import subprocess
 import sys
@@ -47,7 +48,6 @@ def test_without_a_provider_spans_are_no_ops_and_the_callers_context_propagates(
         from opentelemetry import context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         from pipeline.observability import tracing
-        assert "traceparent" not in headers()  # no context at all: nothing to store
         incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         carrier = {"traceparent": incoming, "tracestate": "k=v"}
         ctx = TraceContextTextMapPropagator().extract(carrier)
@@ -84,12 +84,14 @@ def test_console_exporter_prints_create_spans_and_configuration_is_idempotent():
     assert "hunter2" not in result.stdout
 
 
-def test_exporter_none_still_gives_events_their_own_context():
+def test_exporter_none_installs_no_provider_and_events_still_get_a_context():
     result = run(
         """
+        from opentelemetry import trace
         from pipeline import Settings
         from pipeline.observability import tracing
-        assert tracing.configure_tracing(Settings(), "pipeline-test") is not None
+        assert tracing.configure_tracing(Settings(), "pipeline-test") is None
+        assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
         print(headers()["traceparent"])
         tracing.shutdown_tracing()
         """
@@ -98,22 +100,22 @@ def test_exporter_none_still_gives_events_their_own_context():
     assert result.stdout.startswith("00-") and len(result.stdout.strip()) == 55
 
 
-def test_exporter_none_gives_the_pipelines_spans_ids_without_recording_them():
-    """Nothing reads a span when nothing exports: it is not recorded, its context still is."""
+def test_without_a_provider_a_workflow_made_outside_any_trace_is_one_trace():
+    """No provider, no current span: the event gets a new trace that its consumers continue."""
     result = run(
         """
         import uuid
         from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-        from pipeline import Settings
         from pipeline.envelope import ReceivedEvent
         from pipeline.observability import tracing
-        tracing.configure_tracing(Settings(), "pipeline-test")
         created = tracing.start_create_span("order.placed", "e1")
         assert not created.is_recording()
         stored = tracing.span_headers(created)["traceparent"]
-        assert int(stored[-2:], 16) & 1, stored  # sampled, as a recorded root would be
+        assert int(stored[-2:], 16) & 1, stored  # sampled, as the default sampler samples a root
+        assert headers()["traceparent"].split("-")[1] != stored.split("-")[1]  # a trace each
         event = ReceivedEvent(
             id=uuid.uuid4(), type="order.placed", version=1, data={}, source="s",
             time="2026-01-01T00:00:00+00:00", seq=1, traceparent=stored,
@@ -121,23 +123,66 @@ def test_exporter_none_gives_the_pipelines_spans_ids_without_recording_them():
         with tracing.process_span(event, "billing", 1) as span:
             assert not span.is_recording()
             assert trace.get_current_span() is span
-            process = span.get_span_context()
-            child = tracing.start_create_span("order.paid", "e2")
-        parent = created.get_span_context()
-        assert process.trace_id == parent.trace_id and process.span_id != parent.span_id
-        assert child.get_span_context().trace_id == parent.trace_id
+            follow_up = headers()["traceparent"]
+        assert follow_up.split("-")[1] == stored.split("-")[1], (follow_up, stored)
         with tracing.send_span("q", []) as send:
             assert not send.get_span_context().is_valid
-        memory = InMemorySpanExporter()  # a processor added later: spans are recorded again
-        trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(memory))
+        memory = InMemorySpanExporter()  # a provider installed later is used from then on
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        trace.set_tracer_provider(provider)
         with tracing.process_span(event, "billing", 1) as span:
             assert span.is_recording()
-        assert [s.name for s in memory.get_finished_spans()] == ["process order.placed"]
+        (process,) = memory.get_finished_spans()
+        assert process.name == "process order.placed"
+        assert f"{process.context.trace_id:032x}" == stored.split("-")[1]
         print("ok")
         """
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("sampler", "expected"),
+    [
+        ({}, "all"),
+        ({"OTEL_TRACES_SAMPLER": "always_off"}, "none"),
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"},
+            "none",
+        ),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.5"}, "ratio"),
+    ],
+)
+def test_a_new_trace_without_a_provider_is_sampled_as_the_configured_sampler_decides(
+    sampler: dict[str, str], expected: str
+):
+    result = run(
+        """
+        import json
+        from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
+        made = [headers() for _ in range(400)]
+        reference = TraceIdRatioBased(0.5)
+        rows = []
+        for stored in made:
+            _, trace_hex, _, flags = stored["traceparent"].split("-")
+            by_ratio = reference.should_sample(None, int(trace_hex, 16), "x").decision
+            rows.append([int(flags, 16) & 1, by_ratio is Decision.RECORD_AND_SAMPLE])
+        print(json.dumps(rows))
+        """,
+        **sampler,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    sampled = [bool(flag) for flag, _ in rows]
+    if expected == "all":
+        assert all(sampled)
+    elif expected == "none":
+        assert not any(sampled)
+    else:  # each trace's flag is the ratio sampler's decision for its trace id
+        assert sampled == [by_ratio for _, by_ratio in rows]
+        assert 0 < sum(sampled) < len(sampled)
 
 
 @pytest.mark.parametrize(
@@ -257,7 +302,8 @@ def test_without_a_provider_a_process_span_hands_the_creation_context_to_follow_
             stored = headers()
         assert stored["traceparent"] == incoming, stored
         assert stored["tracestate"] == "k=v", stored
-        assert "traceparent" not in headers()  # detached again after the block
+        after = headers()["traceparent"]  # detached again after the block: a new trace
+        assert after.split("-")[1] != incoming.split("-")[1], after
         plain = ReceivedEvent(id=uuid.uuid4(), type="a", version=1, data={}, source="s",
                               time="", seq=1)
         try:
