@@ -33,11 +33,13 @@ from pipeline.transport.publisher import Delivery, PermanentPublishError
 from tests.integration.conftest import drainer_for
 from tests.support import (
     ROOT,
+    otlp_attributes,
     pipeline_env,
     produce,
     queue_envelopes,
     queue_messages,
     start_process,
+    start_worker,
     stop_process,
     wait_until,
 )
@@ -342,9 +344,11 @@ print(ids[0])
 """
 
 
-def produce_without_opentelemetry(settings: Settings, payload: dict[str, str]) -> str:
+def produce_without_opentelemetry(
+    settings: Settings, payload: dict[str, str], app: str = APP
+) -> str:
     """Add an event from a process that configured no OpenTelemetry at all; its id."""
-    env = {k: v for k, v in pipeline_env(settings, APP).items() if not k.startswith("OTEL_")}
+    env = {k: v for k, v in pipeline_env(settings, app).items() if not k.startswith("OTEL_")}
     result = subprocess.run(
         [sys.executable, "-c", PRODUCER_WITHOUT_OPENTELEMETRY],
         input=json.dumps(payload),
@@ -382,6 +386,85 @@ def test_a_workflow_from_a_producer_without_opentelemetry_is_one_trace(
     lineage = json.loads(shown.stdout)
     assert lineage["trace_id"] == f"{trace_id:032x}"
     assert lineage["follow_ups"][0]["trace_id"] == f"{trace_id:032x}"
+
+
+INBOX_APP = "tests.apps.inbox_app"
+EFFECTS = (
+    "CREATE TABLE effects (id bigserial PRIMARY KEY, stage text NOT NULL,"
+    " order_id text NOT NULL, event_id uuid NOT NULL)"
+)
+
+
+def test_relay_and_worker_processes_export_one_trace_over_otlp(
+    engine, settings, otlp_receiver, tmp_path
+):
+    """Real `pipeline relay` and `pipeline worker` processes export with the official exporter.
+
+    The producer configured no OpenTelemetry; the three-stage workflow of
+    tests/apps/inbox_app.py is still one trace, and no payload reaches the collector.
+    """
+    with engine.begin() as conn:
+        conn.exec_driver_sql(EFFECTS)
+    otel = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
+    }
+    relay_log, worker_log = tmp_path / "relay.log", tmp_path / "worker.log"
+    relay = start_process(
+        [sys.executable, "-m", "pipeline.cli", "relay"],
+        pipeline_env(settings, INBOX_APP, **otel),
+        relay_log,
+    )
+    worker = start_worker(settings, INBOX_APP, worker_log, 1, 2, **otel)
+    try:
+        placed = produce_without_opentelemetry(
+            settings, {"order_id": "o-1", "card": SECRET}, app=INBOX_APP
+        )
+
+        def notified() -> bool:
+            with engine.connect() as conn:
+                return bool(
+                    conn.exec_driver_sql(
+                        "SELECT count(*) FROM effects WHERE stage = 'notifications'"
+                    ).scalar()
+                )
+
+        wait_until(notified, timeout=90, interval=0.2)
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+    assert relay.returncode == 0, relay_log.read_text()
+    assert worker.returncode == 0, worker_log.read_text()
+    assert not any(SECRET.encode() in body for _, _, body in otlp_receiver.received)
+    stored = outbox_traceparents(engine)
+    trace_id = int(stored[placed][1].split("-")[1], 16)
+    exported = otlp_receiver.spans()
+    names = sorted(span.name for _, span in exported)
+    assert names == [
+        "create payment.charged",
+        "create stock.reserved",
+        "process order.placed",
+        "process payment.charged",
+        "process stock.reserved",
+        "send pipeline.inventory",
+        "send pipeline.notifications",
+        "send pipeline.payments",
+    ]
+    for resource, span in exported:
+        assert int.from_bytes(span.trace_id, "big") == trace_id, span.name
+        service = "pipeline-relay" if span.name.startswith("send ") else "pipeline-worker"
+        assert resource["service.name"] == service
+        attributes = otlp_attributes(span)
+        assert attributes["messaging.system"] == "dramatiq"
+        assert attributes["messaging.operation.type"] == span.name.split()[0]
+        if span.name.startswith("process "):
+            event_type, traceparent = stored[str(attributes["messaging.message.id"])]
+            assert span.name == f"process {event_type}"
+            assert span.parent_span_id.hex() == traceparent.split("-")[2]
+        if span.name.startswith("send "):
+            (link,) = span.links
+            _, traceparent = stored[str(otlp_attributes(link)["messaging.message.id"])]
+            assert link.span_id.hex() == traceparent.split("-")[2]
 
 
 def test_consumer_outcomes_are_span_events_without_payloads_or_messages(engine, runtime, spans):

@@ -6,19 +6,15 @@ depends on which provider is (or is not) installed runs as a subprocess.
 
 from __future__ import annotations
 
-import http.server
 import json
 import os
 import subprocess
 import sys
 import textwrap
-import threading
-from collections.abc import Iterator
-from typing import ClassVar
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, OtlpReceiver, otlp_attributes
 
 PRODUCE = """
 import json
@@ -227,63 +223,92 @@ def test_sdk_disabled_leaves_tracing_off():
     assert result.stdout == ""
 
 
-class _Collector(http.server.BaseHTTPRequestHandler):
-    received: ClassVar[list[tuple[str, str, bytes]]] = []
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.received.append((self.path, self.headers["Content-Type"], body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def otlp_collector() -> Iterator[tuple[str, list[tuple[str, str, bytes]]]]:
-    received: ClassVar[list[tuple[str, str, bytes]]] = []
-    handler = type("Handler", (_Collector,), {"received": received})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", received
-    finally:
-        server.shutdown()
-        server.server_close()
+EXPORT_A_WORKFLOW = """
+import uuid
+from datetime import datetime, timezone
+from pipeline import Settings
+from pipeline.envelope import OutboxEvent, ReceivedEvent
+from pipeline.observability import tracing
+tracing.configure_tracing(Settings(), "pipeline-test")
+row = prepare_rows([NewEvent("order.placed", {"secret": "hunter2"})], Settings())[0]
+outbox = OutboxEvent(
+    id=row["id"], seq=1, aggregate_type=None, aggregate_id=None, ordering_key=None,
+    event_type="order.placed", event_version=1, payload_json=row["payload"],
+    headers_json=row["headers"], attempts=0, created_at=datetime.now(timezone.utc),
+)
+with tracing.send_span("pipeline.billing", [outbox]):
+    pass
+received = ReceivedEvent(
+    id=row["id"], type="order.placed", version=1, data={"secret": "hunter2"}, source="s",
+    time="2026-01-01T00:00:00+00:00", seq=1, traceparent=outbox.headers["traceparent"],
+)
+with tracing.process_span(received, "billing", 2) as span:
+    tracing.record_retry(span, ValueError("card hunter2 declined"), 0.5)
+print(row["id"])
+tracing.shutdown_tracing()
+"""
 
 
-def test_otlp_http_export_reaches_a_collector(otlp_collector):
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-    )
-
-    endpoint, received = otlp_collector
+def test_otlp_http_export_reaches_a_collector(otlp_receiver: OtlpReceiver):
+    """The official exporter posts the pipeline's spans; decoded, they carry no payload."""
     result = run(
-        """
-        from pipeline import Settings
-        from pipeline.observability import tracing
-        tracing.configure_tracing(Settings(), "pipeline-test")
-        headers()
-        tracing.shutdown_tracing()
-        """,
+        EXPORT_A_WORKFLOW,
         OTEL_TRACES_EXPORTER="otlp",
-        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+        OTEL_EXPORTER_OTLP_ENDPOINT=otlp_receiver.endpoint,
     )
     assert result.returncode == 0, result.stderr
+    event_id = result.stdout.strip()
+    received = otlp_receiver.received
     assert received, "nothing was exported"
-    path, content_type, body = received[0]
-    assert path == "/v1/traces" and content_type == "application/x-protobuf"
-    request = ExportTraceServiceRequest.FromString(body)
-    (resource_spans,) = request.resource_spans
-    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-    assert service["service.name"] == "pipeline-test"
-    names = [s.name for scope in resource_spans.scope_spans for s in scope.spans]
-    assert names == ["create order.placed"]
-    assert b"hunter2" not in body
+    assert {(path, content_type) for path, content_type, _ in received} == {
+        ("/v1/traces", "application/x-protobuf")
+    }
+    assert not any(b"hunter2" in body for _, _, body in received)
+    spans = {span.name: (resource, span) for resource, span in otlp_receiver.spans()}
+    assert sorted(spans) == ["create order.placed", "process order.placed", "send pipeline.billing"]
+    for resource, _ in spans.values():
+        assert resource["service.name"] == "pipeline-test"
+        assert resource["pipeline.schema"] == "pipeline"
+    _, create = spans["create order.placed"]
+    _, send = spans["send pipeline.billing"]
+    _, process = spans["process order.placed"]
+    assert [create.kind, send.kind, process.kind] == [
+        create.SPAN_KIND_PRODUCER,
+        create.SPAN_KIND_CLIENT,
+        create.SPAN_KIND_CONSUMER,
+    ]
+    assert otlp_attributes(create) == {
+        "messaging.system": "dramatiq",
+        "messaging.operation.type": "create",
+        "messaging.operation.name": "create",
+        "messaging.destination.name": "order.placed",
+        "messaging.message.id": event_id,
+        "messaging.message.conversation_id": event_id,
+    }
+    assert otlp_attributes(send) == {
+        "messaging.system": "dramatiq",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "send",
+        "messaging.destination.name": "pipeline.billing",
+        "messaging.batch.message_count": 1,
+    }
+    (link,) = send.links
+    assert link.span_id == create.span_id and otlp_attributes(link) == {
+        "messaging.message.id": event_id
+    }
+    assert send.parent_span_id == create.span_id  # one event, one trace: a child in it
+    assert process.parent_span_id == create.span_id
+    assert create.trace_id == send.trace_id == process.trace_id
+    assert otlp_attributes(process)["messaging.consumer.group.name"] == "billing"
+    assert otlp_attributes(process)["pipeline.attempt"] == 2
+    assert otlp_attributes(process)["error.type"] == "ValueError"
+    (retry,) = process.events
+    assert retry.name == "pipeline.retry"
+    assert otlp_attributes(retry) == {
+        "error.type": "ValueError",
+        "pipeline.retry.delay_seconds": 0.5,
+    }
+    assert process.status.message == "ValueError"
 
 
 def test_without_a_provider_a_process_span_hands_the_creation_context_to_follow_ups():
