@@ -2,9 +2,10 @@
 
 Modes (each in its own process, since a tracer provider is set once per process):
 
-* ``off``      — no provider configured: spans are no-ops (the library default);
-* ``sdk_none`` — ``configure_tracing`` with ``OTEL_TRACES_EXPORTER=none``: real spans and
-  ids, nothing exported;
+* ``off``      — ``OTEL_SDK_DISABLED=true``: no-op spans, no trace context stored;
+* ``sdk_none`` — no provider (what ``configure_tracing`` leaves with
+  ``OTEL_TRACES_EXPORTER=none``, and a producer that configured no OpenTelemetry):
+  no-op spans, each event gets a new trace context of its own;
 * ``sdk_export`` — an SDK provider with a ``BatchSpanProcessor`` feeding an exporter that
   drops spans (the processing cost of exporting, without a network).
 
@@ -40,7 +41,9 @@ def child(mode: str, url: str, events: int, batches: list[int]) -> dict[str, obj
 
     settings = Settings(database_url=url)  # type: ignore[arg-type]
     configure(settings)
-    if mode == "sdk_none":
+    if mode == "off":
+        os.environ["OTEL_SDK_DISABLED"] = "true"
+    elif mode == "sdk_none":
         os.environ["OTEL_TRACES_EXPORTER"] = "none"
         configure_tracing(settings, "bench")
     elif mode == "sdk_export":

@@ -116,7 +116,9 @@ def prepare_rows(events: Sequence[NewEvent], settings: Settings) -> list[dict[st
 
     Once every event is valid, each gets its own ``create`` span (a child of the caller's
     current span), and that span's context is stored in the row's headers: the event's
-    creation context, which the relay links to and the consumer continues.
+    creation context, which the relay links to and the consumer continues. Without an
+    OpenTelemetry provider the caller's context is stored as it is, and an event made
+    outside any trace gets a new trace of its own, so its workflow is still one trace.
     """
     rows = [_row(event, index, settings) for index, event in enumerate(events)]
     parent = otel_context.get_current()

@@ -6,13 +6,31 @@ this module's purpose, so it is the one place that reads settings at import time
 
 from __future__ import annotations
 
+from typing import Any
+
+from dramatiq.middleware import Middleware
+
 from pipeline.config import get_settings
 from pipeline.observability.logging import configure_logging
-from pipeline.observability.tracing import configure_tracing
+from pipeline.observability.tracing import configure_tracing, shutdown_tracing
 from pipeline.runtime import build_runtime
+
+
+class FlushTraces(Middleware):
+    """Export the spans still queued when the worker process stops.
+
+    Dramatiq's worker processes are multiprocessing children, which end without running
+    ``atexit`` handlers, where the SDK's provider would otherwise flush them: the spans
+    of the last few seconds before a stop would be lost.
+    """
+
+    def after_worker_shutdown(self, broker: Any, worker: Any) -> None:
+        shutdown_tracing()
+
 
 settings = get_settings()
 runtime = build_runtime(settings)
 broker = runtime.broker
 configure_tracing(settings, "pipeline-worker")
+broker.add_middleware(FlushTraces())
 configure_logging(settings)

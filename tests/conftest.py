@@ -22,6 +22,7 @@ from sqlalchemy import Engine, create_engine
 from pipeline.config import Settings, configure, libpq_url
 from pipeline.db.migrate import upgrade
 from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
+from tests.support import OtlpReceiver
 
 RUN_ID = uuid.uuid4().hex[:8]
 
@@ -182,3 +183,13 @@ def private_redis() -> Iterator[EmbeddedRedis]:
         yield server
     finally:
         server.cleanup()
+
+
+@pytest.fixture
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    """A local OTLP/HTTP endpoint that keeps what it receives (an OpenTelemetry collector)."""
+    receiver = OtlpReceiver()
+    try:
+        yield receiver
+    finally:
+        receiver.close()

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -171,3 +172,54 @@ def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) ->
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
+
+
+class OtlpReceiver:
+    """A local OTLP/HTTP endpoint on 127.0.0.1 that keeps every request: (path, type, body)."""
+
+    def __init__(self) -> None:
+        received: list[tuple[str, str, bytes]] = []
+        self.received = received
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                received.append((self.path, self.headers.get("Content-Type", ""), body))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def spans(self) -> list[tuple[dict[str, str], Any]]:
+        """Every span received (decoded protobuf), with its resource's string attributes."""
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        found: list[tuple[dict[str, str], Any]] = []
+        for _, _, body in list(self.received):
+            for resource_spans in ExportTraceServiceRequest.FromString(body).resource_spans:
+                resource = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
+                for scope in resource_spans.scope_spans:
+                    found += [(resource, span) for span in scope.spans]
+        return found
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def otlp_attributes(message: Any) -> dict[str, object]:
+    """A protobuf span's (or link's, or event's) attributes as plain values."""
+    return {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in message.attributes}

@@ -20,12 +20,11 @@ import os
 import shutil
 import tempfile
 import time
-from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from prometheus_client import (
     REGISTRY,
@@ -168,9 +167,9 @@ end_to_end_latency = Histogram(
 def record_processed(consumer: str, done: Sequence[tuple[ReceivedEvent, float]]) -> None:
     """Count committed handler runs (event, handler seconds): processed, duration, latency.
 
-    A message's events are counted together, per event type: one counter increment and
-    one write per histogram bucket touched, rather than five writes per event (each a
-    locked write to a memory-mapped file in Dramatiq's multi-process workers).
+    A message's events are counted together, per event type: one counter increment for
+    them all (each increment is a locked write to a memory-mapped file in Dramatiq's
+    multi-process workers).
     End-to-end latency is created → now (an event's CloudEvents ``time`` is its insert
     time); an unparsable time is left out of that histogram only.
     """
@@ -190,29 +189,9 @@ def record_processed(consumer: str, done: Sequence[tuple[ReceivedEvent, float]])
 
 
 def observe_many(histogram: Histogram, amounts: Sequence[float]) -> None:
-    """``histogram.observe`` for each amount, with one write per bucket touched.
-
-    ``observe`` writes the sum and one bucket per value. The sum is added in one step,
-    so it may differ from value-by-value addition in the last bit. Falls back when this
-    ``prometheus_client`` keeps its buckets elsewhere (tests/unit/test_metrics.py
-    compares the two).
-    """
-    bounds: list[float] | None = getattr(histogram, "_upper_bounds", None)
-    buckets: list[Any] | None = getattr(histogram, "_buckets", None)
-    total: Any = getattr(histogram, "_sum", None)
-    if len(amounts) < 2 or bounds is None or buckets is None or total is None:
-        for amount in amounts:
-            histogram.observe(amount)
-        return
-    counts: dict[int, int] = {}
-    last = bounds[-1]  # +Inf: NaN falls in no bucket, as with observe
+    """``histogram.observe`` for each amount (a message's or a batch's values at once)."""
     for amount in amounts:
-        if amount <= last:
-            index = bisect_left(bounds, amount)  # the first bound >= amount
-            counts[index] = counts.get(index, 0) + 1
-    total.inc(sum(amounts))
-    for index, count in counts.items():
-        buckets[index].inc(count)
+        histogram.observe(amount)
 
 
 # -- end-to-end canary -----------------------------------------------------------------------

@@ -3,9 +3,8 @@
 One workflow is one trace::
 
     app span ─▶ create order.placed (PRODUCER, context stored in the outbox row)
-                   │                      ╲ link
-                   │                 send pipeline.billing (CLIENT, one per delivery,
-                   │                      a link to each event's creation context)
+                   ├─▶ send pipeline.billing (CLIENT, one per delivery, a link to each
+                   │        event's creation context; a root when its events span traces)
                    ▼
                 process order.placed (CONSUMER, parented on the creation context)
                    └─▶ create order.paid (follow-up event) ─▶ …
@@ -18,15 +17,14 @@ join a PRODUCER to a CONSUMER span); ``process`` is a CONSUMER span.
 The creation context travels as W3C ``traceparent``/``tracestate`` (the CloudEvents
 distributed-tracing extension), whatever global propagator the application set.
 
-Library code only uses ``trace.get_tracer("pipeline")``: without a configured
-``TracerProvider`` every span is a no-op and the caller's own context (if any) is
-still propagated. :func:`configure_tracing` sets up the SDK from ``OTEL_*``
-variables for the pipeline's own processes; under that provider the pipeline makes its
-spans itself (``spans.SpanFactory``, a fraction of the SDK's cost), and while it
-exports nowhere (no exporter, the default) they get real ids and the sampler's
-decision but are not recorded, since nothing would read them. Payloads
-never become attributes (I6), and neither do exception messages: errors are recorded
-by class only.
+Spans are started through the OpenTelemetry API only (``trace.get_tracer("pipeline")``),
+so they are the installed provider's: the SDK's when the application or
+:func:`configure_tracing` installed it, no-ops when nothing is installed. Without a
+provider an event created outside any trace still gets a creation context of its own
+(fresh random ids, sampled as the ``OTEL_TRACES_SAMPLER`` sampler would sample a new
+trace), so the relay, the consumers and the follow-up events share its trace id.
+Payloads never become attributes, and neither do exception messages: errors are
+recorded by class only.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ import os
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import Token
 from typing import TYPE_CHECKING
@@ -50,10 +48,12 @@ from pipeline.config import Settings
 from pipeline.errors import ConfigurationError
 
 if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
+    from opentelemetry.sdk.trace.sampling import Sampler
 
     from pipeline.envelope import OutboxEvent, ReceivedEvent
-    from pipeline.observability.spans import SpanFactory
 
 log = logging.getLogger("pipeline.tracing")
 
@@ -83,54 +83,14 @@ def _tracer() -> trace.Tracer:
     return trace.get_tracer(TRACER_NAME)
 
 
-def _own_spans() -> SpanFactory | None:
-    """The installed provider's :class:`SpanFactory`, when it is the pipeline's own."""
-    return getattr(trace.get_tracer_provider(), "pipeline_spans", None)
-
-
-Attributes = Mapping[str, str | int]
-
-
-def _start(
-    own: SpanFactory | None,
-    name: str,
-    kind: SpanKind,
-    parent: otel_context.Context | None,
-    attributes: Attributes | Callable[[], Attributes],
-    links: Sequence[Link] | Callable[[], Sequence[Link]] = (),
-    *,
-    record_exceptions: bool = True,
-) -> Span:
-    """A span from the pipeline's own factory when it has one, else from the SDK's tracer.
-
-    ``attributes`` and ``links`` may be functions that make them: the factory calls them
-    only for a span it records (or a sampler that reads them), which most spans are not.
-    """
-    if own is not None:
-        return own.start(
-            name,
-            kind,
-            parent,
-            attributes,
-            links,
-            record_exception=record_exceptions,
-            set_status_on_exception=record_exceptions,
-        )
-    return _tracer().start_span(
-        name,
-        parent,
-        kind,
-        attributes() if callable(attributes) else attributes,
-        links() if callable(links) else links,
-        record_exception=record_exceptions,
-        set_status_on_exception=record_exceptions,
-    )
-
-
 def _sdk_installed() -> bool:
-    """Whether some SDK provider is installed (else spans are no-ops)."""
+    """Whether some provider is installed (else the pipeline's spans are no-ops)."""
     provider = trace.get_tracer_provider()
     return not isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider))
+
+
+def _sdk_disabled() -> bool:
+    return os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true"
 
 
 def span_headers(span: Span) -> dict[str, str]:
@@ -231,21 +191,87 @@ def start_create_span(
     parent: otel_context.Context | None = None,
     correlation_id: str | None = None,
 ) -> Span:
-    """:func:`create_span` without the context manager (the caller ends the span)."""
+    """:func:`create_span` without the context manager (the caller ends the span).
 
-    def attributes() -> dict[str, str | int]:
-        made: dict[str, str | int] = {
-            SYSTEM: MESSAGING_SYSTEM,
-            OPERATION_TYPE: "create",
-            OPERATION_NAME: "create",
-            DESTINATION: event_type,
-            MESSAGE_ID: str(event_id),
-        }
-        if correlation_id is not None:
-            made[CONVERSATION_ID] = correlation_id
-        return made
+    Without a provider and outside any trace, the span is a non-recording one with a
+    new trace of its own (see :class:`_NewTraces`), unless ``OTEL_SDK_DISABLED`` is true.
+    """
+    name = f"create {event_type}"
+    attributes: dict[str, str | int] = {
+        SYSTEM: MESSAGING_SYSTEM,
+        OPERATION_TYPE: "create",
+        OPERATION_NAME: "create",
+        DESTINATION: event_type,
+        MESSAGE_ID: str(event_id),
+    }
+    if correlation_id is not None:
+        attributes[CONVERSATION_ID] = correlation_id
+    span = _tracer().start_span(
+        name,
+        parent,
+        SpanKind.PRODUCER,
+        attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    )
+    if span.get_span_context().is_valid:
+        return span
+    new_traces = _new_traces()
+    if new_traces is None:  # tracing is disabled: the event carries no context
+        return span
+    return trace.NonRecordingSpan(new_traces.root(name, attributes))
 
-    return _start(_own_spans(), f"create {event_type}", SpanKind.PRODUCER, parent, attributes)
+
+class _NewTraces:
+    """Creation contexts for events made outside any trace while no provider is installed.
+
+    The pipeline's own processes then continue a trace the producer never recorded:
+    the relay, every consumer and the follow-up events share its trace id, and its
+    sampled flag is what a sampler would decide for a new trace, so that head sampling
+    downstream keeps or drops the whole workflow. Ids and flags are made as the SDK's
+    tracer makes them for a root span.
+    """
+
+    def __init__(self, sampler: Sampler, ids: IdGenerator) -> None:
+        from opentelemetry.sdk.trace.sampling import Decision
+
+        self.sampler = sampler
+        self.ids = ids
+        self.sampled = Decision.RECORD_AND_SAMPLE  # the one decision that samples
+        self.no_parent = otel_context.Context()  # empty: the sampler sees a root
+
+    def root(self, name: str, attributes: Mapping[str, str | int]) -> trace.SpanContext:
+        trace_id = self.ids.generate_trace_id()
+        result = self.sampler.should_sample(
+            self.no_parent, trace_id, name, SpanKind.PRODUCER, attributes
+        )
+        flags = trace.TraceFlags.SAMPLED if result.decision is self.sampled else 0
+        if self.ids.is_trace_id_random():
+            flags |= trace.TraceFlags.RANDOM_TRACE_ID
+        return trace.SpanContext(
+            trace_id,
+            self.ids.generate_span_id(),
+            is_remote=False,
+            trace_flags=trace.TraceFlags(flags),
+            trace_state=result.trace_state,
+        )
+
+
+@functools.cache
+def _new_traces() -> _NewTraces | None:
+    """The SDK's sampler from ``OTEL_TRACES_SAMPLER``/``_ARG`` (read once, as the SDK does).
+
+    Its default, ``parentbased_always_on``, samples every new trace. ``None`` when
+    ``OTEL_SDK_DISABLED`` is true. The sampler is taken from an SDK provider that is
+    never installed, which is how the SDK's public API builds it from the environment.
+    """
+    if _sdk_disabled():
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    unused = TracerProvider(resource=Resource.get_empty(), shutdown_on_exit=False)
+    return _NewTraces(unused.sampler, unused.id_generator)
 
 
 # -- relay ---------------------------------------------------------------------------------
@@ -260,12 +286,12 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
     ``messaging.message.id``. Events without a stored context get no link. The span is
     not made current. When all its events belong to one trace it is parented in that
     trace (on the first event's creation context); otherwise it is a root. Raising inside
-    marks it failed; :func:`record_send_outcome` does
-    the same for an outcome the publisher returned instead of raising.
+    marks it failed; :func:`record_send_outcome` does the same for an outcome the
+    publisher returned instead of raising. Without a provider nothing is started: a send
+    span parents nothing, so a no-op one would carry nothing anywhere.
     """
-    own = _own_spans()
-    if (own is not None and not own.recording) or not _sdk_installed():
-        yield trace.INVALID_SPAN  # a send span parents nothing: unrecorded, it is not needed
+    if not _sdk_installed():
+        yield trace.INVALID_SPAN
         return
     created = _creation_contexts(events)
     attributes: dict[str, str | int] = {
@@ -275,12 +301,16 @@ def send_span(destination: str, events: Sequence[OutboxEvent]) -> Iterator[Span]
         DESTINATION: destination,
         BATCH_COUNT: len(events),
     }
-
-    def links() -> list[Link]:  # made only for a span that is recorded (or a sampler)
-        return [Link(context, {MESSAGE_ID: str(event_id)}) for event_id, context in created]
-
-    parent = _single_trace_parent([context for _, context in created])
-    span = _start(own, f"send {destination}", SEND_SPAN_KIND, parent, attributes, links)
+    links = [Link(context, {MESSAGE_ID: str(event_id)}) for event_id, context in created]
+    span = _tracer().start_span(
+        f"send {destination}",
+        _single_trace_parent([context for _, context in created]),
+        SEND_SPAN_KIND,
+        attributes,
+        links,
+        record_exception=False,
+        set_status_on_exception=False,
+    )
     yield from _ended_on_exit(span)
 
 
@@ -299,7 +329,7 @@ def _single_trace_parent(created: Sequence[trace.SpanContext]) -> otel_context.C
     traces = {context.trace_id for context in created}
     if len(created) == 0 or len(traces) != 1:
         return otel_context.Context()
-    return trace.set_span_in_context(trace.NonRecordingSpan(created[0]))
+    return _remote_parent(created[0])
 
 
 def _creation_contexts(events: Sequence[OutboxEvent]) -> list[tuple[uuid.UUID, trace.SpanContext]]:
@@ -327,42 +357,34 @@ def process_span(event: ReceivedEvent, consumer: str, attempt: int) -> Iterator[
     follow-up events form one trace); without one it continues the current context.
     Being current, it parents the handler's own spans, follow-up ``create`` spans and
     log lines. An exception escaping the block marks the span failed (by class only)
-    and propagates. Without an SDK provider only the creation context is made current,
-    so follow-up events still carry it; with one that exports nowhere the span gets its
-    own ids but is not recorded. It runs once per handled event, so it calls
+    and propagates. Without a provider only the creation context is made current, so
+    follow-up events still carry it. It runs once per handled event, so it calls
     ``start_span`` and attaches the context itself rather than through the layered
     context managers of ``start_as_current_span``.
     """
     parent = remote_span_context(event.traceparent, event.tracestate)
-    own = _own_spans()
-    if own is None and not _sdk_installed():  # nothing is recorded, the context still travels
+    if not _sdk_installed():  # nothing is recorded, the context still travels
         current = trace.get_current_span().get_span_context()
         span: Span = trace.NonRecordingSpan(parent if parent is not None else current)
     else:
-
-        def attributes() -> dict[str, str | int]:
-            made: dict[str, str | int] = {
-                SYSTEM: MESSAGING_SYSTEM,
-                OPERATION_TYPE: "process",
-                OPERATION_NAME: "process",
-                DESTINATION: event.type,
-                MESSAGE_ID: str(event.id),
-                CONSUMER_GROUP: consumer,
-                ATTEMPT: attempt,
-            }
-            if event.correlation_id is not None:
-                made[CONVERSATION_ID] = event.correlation_id
-            return made
-
-        context = None if parent is None else _remote_parent(parent)
-        # Recorded or not, follow-up events and log lines get its ids.
-        span = _start(
-            own,
+        attributes: dict[str, str | int] = {
+            SYSTEM: MESSAGING_SYSTEM,
+            OPERATION_TYPE: "process",
+            OPERATION_NAME: "process",
+            DESTINATION: event.type,
+            MESSAGE_ID: str(event.id),
+            CONSUMER_GROUP: consumer,
+            ATTEMPT: attempt,
+        }
+        if event.correlation_id is not None:
+            attributes[CONVERSATION_ID] = event.correlation_id
+        span = _tracer().start_span(
             f"process {event.type}",
+            None if parent is None else _remote_parent(parent),
             SpanKind.CONSUMER,
-            context,
             attributes,
-            record_exceptions=False,  # failures are marked by class only (_fail)
+            record_exception=False,  # failures are marked by class only (_fail)
+            set_status_on_exception=False,
         )
     yield from _ended_on_exit(span, otel_context.attach(trace.set_span_in_context(span)))
 
@@ -417,53 +439,59 @@ def _fail(span: Span, exc: BaseException) -> None:
 
 _configure_lock = threading.Lock()
 _configured: trace.TracerProvider | None = None
+_installed: TracerProvider | None = None  # the provider configure_tracing installed itself
 EXPORTERS = frozenset({"otlp", "console", "none"})
 
 
 def configure_tracing(settings: Settings, service_name: str) -> trace.TracerProvider | None:
     """Install an SDK ``TracerProvider`` for a pipeline process, from ``OTEL_*`` variables.
 
-    ``OTEL_TRACES_EXPORTER``: ``otlp`` (OTLP over HTTP/protobuf; ``OTEL_EXPORTER_OTLP_*``
-    configure it), ``console``, or ``none`` (the default: spans get real ids so context
-    still propagates, nothing is exported). ``OTEL_SDK_DISABLED=true`` leaves tracing
-    off; ``OTEL_SERVICE_NAME`` overrides ``service_name``; the SDK reads
-    ``OTEL_TRACES_SAMPLER`` and ``OTEL_BSP_*`` itself. Idempotent, and a provider the
-    application installed first is kept. Returns the active provider (``None`` if off).
+    ``OTEL_TRACES_EXPORTER``: ``otlp`` (the official OTLP/HTTP protobuf exporter, which
+    reads ``OTEL_EXPORTER_OTLP_*``), ``console``, or ``none`` (the default). With no
+    exporter nothing is installed, since nothing would read a span: the pipeline's spans
+    stay no-ops and events still carry a trace context. ``OTEL_SDK_DISABLED=true`` leaves
+    tracing off; ``OTEL_SERVICE_NAME`` overrides ``service_name``; the SDK reads
+    ``OTEL_TRACES_SAMPLER``/``_ARG`` and ``OTEL_BSP_*`` itself. Idempotent, and a provider
+    the application installed first is used as it is. Returns the active provider
+    (``None`` when none is installed).
     """
-    global _configured  # noqa: PLW0603
+    global _configured, _installed  # noqa: PLW0603
     with _configure_lock:
         if _configured is not None:
             return _configured
-        if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        if _sdk_disabled():
             return None
         current = trace.get_tracer_provider()
         if not isinstance(current, trace.ProxyTracerProvider):
             _configured = current  # the application configured tracing already
             return current
-        exporters = _exporter_names()
+        exporters = [_exporter(name) for name in _exporter_names()]
+        if not exporters:
+            log.debug("tracing: no exporter, no provider installed")
+            return None
         from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+        from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        from pipeline.observability.spans import PipelineTracerProvider
 
         attributes: dict[str, str] = {"pipeline.schema": settings.schema_name}
         if not os.environ.get("OTEL_SERVICE_NAME"):
             attributes[SERVICE_NAME] = service_name
-        provider = PipelineTracerProvider(resource=Resource.create(attributes))
-        for name in exporters:
-            provider.add_span_processor(BatchSpanProcessor(_exporter(name)))
+        provider = TracerProvider(resource=Resource.create(attributes))
+        for exporter in exporters:
+            provider.add_span_processor(BatchSpanProcessor(exporter))
         trace.set_tracer_provider(provider)
-        _configured = provider
-        log.debug("tracing configured", extra={"exporters": ",".join(exporters) or "none"})
+        _configured = _installed = provider
+        log.debug("tracing configured", extra={"exporters": len(exporters)})
         return provider
 
 
 def shutdown_tracing() -> None:
-    """Flush and stop the provider :func:`configure_tracing` installed (safe to repeat)."""
-    provider = _configured
-    shutdown = getattr(provider, "shutdown", None)
-    if callable(shutdown):
-        shutdown()
+    """Flush and stop the provider :func:`configure_tracing` installed (safe to repeat).
+
+    A provider the application installed is the application's to shut down.
+    """
+    if _installed is not None:
+        _installed.shutdown()
 
 
 def _exporter_names() -> list[str]:
@@ -489,9 +517,9 @@ def _exporter_names() -> list[str]:
 
 def _exporter(name: str) -> SpanExporter:
     if name == "otlp":
-        from pipeline.observability.otlp import OTLPHttpSpanExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        return OTLPHttpSpanExporter()
+        return OTLPSpanExporter()
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
     return ConsoleSpanExporter()

@@ -14,14 +14,14 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import psycopg
 import pytest
 import redis
 from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -29,16 +29,17 @@ from pipeline import NewEvent, Settings, configure
 from pipeline.admin.state import StateCollector
 from pipeline.envelope import decode_envelope
 from pipeline.observability import metrics, tracing
-from pipeline.observability.spans import PipelineTracerProvider
 from pipeline.transport.publisher import Delivery, PermanentPublishError
 from tests.integration.conftest import drainer_for
 from tests.support import (
     ROOT,
+    otlp_attributes,
     pipeline_env,
     produce,
     queue_envelopes,
     queue_messages,
     start_process,
+    start_worker,
     stop_process,
     wait_until,
 )
@@ -68,7 +69,7 @@ _installed: list[_Capture] = []
 def _install_provider() -> _Capture:
     if not _installed:
         _installed.append(_Capture())
-        provider = PipelineTracerProvider()  # what `configure_tracing` installs
+        provider = TracerProvider()  # the SDK's, as `configure_tracing` installs it
         provider.add_span_processor(_installed[0])
         trace.set_tracer_provider(provider)  # once per process: OpenTelemetry's rule
         assert trace.get_tracer_provider() is provider, "another provider was installed first"
@@ -198,8 +199,12 @@ def test_create_send_process_form_one_trace(engine, runtime, spans):
     assert row_headers(engine, follow_up)["traceparent"] == traceparent_of(follow_create)
 
 
-def test_three_stage_workflow_is_one_trace_through_the_real_inbox(engine, relay_settings, spans):
-    """order.placed -> payment.charged -> stock.reserved, relayed and handled for real."""
+def run_workflow(engine, relay_settings: Settings, produce_order: Callable[[], object]) -> None:
+    """order.placed -> payment.charged -> stock.reserved, relayed and handled for real.
+
+    order.placed has two consumers (payments publishes the next step, audit does not);
+    the relay and the inbox run in this process, under the test's SDK provider.
+    """
     from pipeline.inbox.consumer import consumer, definitions
     from pipeline.inbox.processor import InboxProcessor
     from pipeline.registry import Registry
@@ -209,13 +214,14 @@ def test_three_stage_workflow_is_one_trace_through_the_real_inbox(engine, relay_
     chain = {"order.placed": "payment.charged", "payment.charged": "stock.reserved"}
     for name, event_type in [
         ("payments", "order.placed"),
+        ("audit", "order.placed"),
         ("inventory", "payment.charged"),
         ("notifications", "stock.reserved"),
     ]:
 
-        def handle(event, ctx) -> None:
+        def handle(event, ctx, publishes: bool = name != "audit") -> None:
             follow = chain.get(event.type)
-            if follow:
+            if follow and publishes:
                 ctx.publish(follow, {"order": event.data["order"]})
 
         consumer(name, [event_type], registry=routes)(handle)
@@ -231,9 +237,7 @@ def test_three_stage_workflow_is_one_trace_through_the_real_inbox(engine, relay_
         for sub, definition in definitions(routes)
     }
     try:
-        tracer = trace.get_tracer("test")
-        with tracer.start_as_current_span("POST /orders") as request:
-            produce(engine, [NewEvent("order.placed", {"order": "o-1"}, aggregate_id="o-1")])
+        produce_order()
         drainer = drainer_for(runtime)
         handled: set[str] = set()
         for _ in range(10):  # relay, then handle what arrived, until the chain is done
@@ -243,44 +247,228 @@ def test_three_stage_workflow_is_one_trace_through_the_real_inbox(engine, relay_
                     if message["message_id"] not in handled:
                         handled.add(message["message_id"])
                         processor.handle(message["args"][0])
-            if len(handled) == 3:
+            if len(handled) == 4:
                 break
     finally:
         runtime.close()
-    exported = spans.get_finished_spans()
-    assert {s.context.trace_id for s in exported} == {request.get_span_context().trace_id}
+    assert len(handled) == 4
+
+
+def outbox_traceparents(engine) -> dict[str, tuple[str, str]]:
+    """Each outbox row's event type and stored ``traceparent``, by event id."""
+    from sqlalchemy import text
+
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT id, event_type, headers->>'traceparent' FROM pipeline.outbox")
+        ).all()
+    return {str(event_id): (event_type, traceparent) for event_id, event_type, traceparent in rows}
+
+
+def assert_one_trace_per_workflow(exported: Sequence[ReadableSpan], engine) -> int:
+    """Relay, every consumer and the follow-ups are in the trace the first event's row names.
+
+    Returns that trace id.
+    """
+    stored = outbox_traceparents(engine)
+    assert sorted(event_type for event_type, _ in stored.values()) == [
+        "order.placed",
+        "payment.charged",
+        "stock.reserved",
+    ]
+    (placed,) = [tp for event_type, tp in stored.values() if event_type == "order.placed"]
+    trace_id = int(placed.split("-")[1], 16)
+    assert {int(tp.split("-")[1], 16) for _, tp in stored.values()} == {trace_id}
+    assert {s.context.trace_id for s in exported} == {trace_id}
     creates, sends = by_name(exported, "create "), by_name(exported, "send ")
     processes = by_name(exported, "process ")
-    assert sorted(s.name for s in creates) == [
-        "create order.placed",
-        "create payment.charged",
-        "create stock.reserved",
-    ]
     assert sorted(s.name for s in processes) == [
+        "process order.placed",
         "process order.placed",
         "process payment.charged",
         "process stock.reserved",
     ]
-    assert len(sends) == 3
+    assert sorted(s.attributes["messaging.consumer.group.name"] for s in processes) == [
+        "audit",
+        "inventory",
+        "notifications",
+        "payments",
+    ]
+    for process in processes:  # parented on the creation context stored with its event
+        assert process.kind is SpanKind.CONSUMER
+        _, traceparent = stored[process.attributes["messaging.message.id"]]
+        parent = process.parent
+        assert parent is not None and parent.is_remote
+        assert traceparent.split("-")[1:3] == [f"{parent.trace_id:032x}", f"{parent.span_id:016x}"]
+    assert len(sends) == 4  # one delivery per consumer queue
     for send in sends:
         assert send.kind is SpanKind.CLIENT
         assert send.attributes["messaging.batch.message_count"] == len(send.links) == 1
-    for process in processes:
-        assert process.kind is SpanKind.CONSUMER
-        event_id = process.attributes["messaging.message.id"]
-        stored = row_headers(engine, event_id)["traceparent"]
-        parent = process.parent
-        assert stored.split("-")[1:3] == [f"{parent.trace_id:032x}", f"{parent.span_id:016x}"]
-        assert process.attributes["messaging.consumer.group.name"] in {
-            "payments",
-            "inventory",
-            "notifications",
-        }
+        (link,) = send.links
+        _, traceparent = stored[link.attributes["messaging.message.id"]]
+        assert f"{link.context.span_id:016x}" == traceparent.split("-")[2]
+        assert send.parent is not None and send.parent.span_id == link.context.span_id
     # each follow-up's create span is a child of the process span that published it
     by_span = {s.context.span_id: s for s in exported}
-    for create in creates:
-        if create.name != "create order.placed":
-            assert by_span[create.parent.span_id].name.startswith("process ")
+    follow_ups = [c for c in creates if c.name != "create order.placed"]
+    assert sorted(c.name for c in follow_ups) == ["create payment.charged", "create stock.reserved"]
+    for create in follow_ups:
+        assert by_span[create.parent.span_id].name.startswith("process ")
+        assert stored[create.attributes["messaging.message.id"]][1] == traceparent_of(create)
+    return trace_id
+
+
+def test_three_stage_workflow_is_one_trace_through_the_real_inbox(engine, relay_settings, spans):
+    tracer = trace.get_tracer("test")
+
+    def produce_order() -> None:
+        with tracer.start_as_current_span("POST /orders"):
+            produce(engine, [NewEvent("order.placed", {"order": "o-1"}, aggregate_id="o-1")])
+
+    run_workflow(engine, relay_settings, produce_order)
+    exported = spans.get_finished_spans()
+    trace_id = assert_one_trace_per_workflow(exported, engine)
+    (request,) = by_name(exported, "POST /orders")
+    (placed,) = by_name(exported, "create order.placed")
+    assert request.context.trace_id == trace_id
+    assert placed.parent.span_id == request.context.span_id
+
+
+PRODUCER_WITHOUT_OPENTELEMETRY = """
+import json
+from opentelemetry import trace
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+from pipeline import NewEvent, add_events, get_settings
+assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+engine = create_engine(get_settings().sqlalchemy_url())
+with Session(engine) as session, session.begin():
+    ids = add_events(session, [NewEvent("order.placed", json.loads(input()), aggregate_id="o-1")])
+print(ids[0])
+"""
+
+
+def produce_without_opentelemetry(
+    settings: Settings, payload: dict[str, str], app: str = APP
+) -> str:
+    """Add an event from a process that configured no OpenTelemetry at all; its id."""
+    env = {k: v for k, v in pipeline_env(settings, app).items() if not k.startswith("OTEL_")}
+    result = subprocess.run(
+        [sys.executable, "-c", PRODUCER_WITHOUT_OPENTELEMETRY],
+        input=json.dumps(payload),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_a_workflow_from_a_producer_without_opentelemetry_is_one_trace(
+    engine, relay_settings, spans
+):
+    placed: list[str] = []
+    run_workflow(
+        engine,
+        relay_settings,
+        lambda: placed.append(produce_without_opentelemetry(relay_settings, {"order": "o-1"})),
+    )
+    exported = spans.get_finished_spans()
+    trace_id = assert_one_trace_per_workflow(exported, engine)
+    assert not by_name(exported, "create order.placed")  # the producer recorded nothing
+    shown = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "trace", placed[0], "--json"],
+        env=pipeline_env(relay_settings, APP),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert shown.returncode == 0, shown.stderr
+    lineage = json.loads(shown.stdout)
+    assert lineage["trace_id"] == f"{trace_id:032x}"
+    assert lineage["follow_ups"][0]["trace_id"] == f"{trace_id:032x}"
+
+
+INBOX_APP = "tests.apps.inbox_app"
+EFFECTS = (
+    "CREATE TABLE effects (id bigserial PRIMARY KEY, stage text NOT NULL,"
+    " order_id text NOT NULL, event_id uuid NOT NULL)"
+)
+
+
+def test_relay_and_worker_processes_export_one_trace_over_otlp(
+    engine, settings, otlp_receiver, tmp_path
+):
+    """Real `pipeline relay` and `pipeline worker` processes export with the official exporter.
+
+    The producer configured no OpenTelemetry; the three-stage workflow of
+    tests/apps/inbox_app.py is still one trace, and no payload reaches the collector.
+    """
+    with engine.begin() as conn:
+        conn.exec_driver_sql(EFFECTS)
+    otel = {
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_receiver.endpoint,
+    }
+    relay_log, worker_log = tmp_path / "relay.log", tmp_path / "worker.log"
+    relay = start_process(
+        [sys.executable, "-m", "pipeline.cli", "relay"],
+        pipeline_env(settings, INBOX_APP, **otel),
+        relay_log,
+    )
+    worker = start_worker(settings, INBOX_APP, worker_log, 1, 2, **otel)
+    try:
+        placed = produce_without_opentelemetry(
+            settings, {"order_id": "o-1", "card": SECRET}, app=INBOX_APP
+        )
+
+        def notified() -> bool:
+            with engine.connect() as conn:
+                return bool(
+                    conn.exec_driver_sql(
+                        "SELECT count(*) FROM effects WHERE stage = 'notifications'"
+                    ).scalar()
+                )
+
+        wait_until(notified, timeout=90, interval=0.2)
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+    assert relay.returncode == 0, relay_log.read_text()
+    assert worker.returncode == 0, worker_log.read_text()
+    assert not any(SECRET.encode() in body for _, _, body in otlp_receiver.received)
+    stored = outbox_traceparents(engine)
+    trace_id = int(stored[placed][1].split("-")[1], 16)
+    exported = otlp_receiver.spans()
+    names = sorted(span.name for _, span in exported)
+    assert names == [
+        "create payment.charged",
+        "create stock.reserved",
+        "process order.placed",
+        "process payment.charged",
+        "process stock.reserved",
+        "send pipeline.inventory",
+        "send pipeline.notifications",
+        "send pipeline.payments",
+    ]
+    for resource, span in exported:
+        assert int.from_bytes(span.trace_id, "big") == trace_id, span.name
+        service = "pipeline-relay" if span.name.startswith("send ") else "pipeline-worker"
+        assert resource["service.name"] == service
+        attributes = otlp_attributes(span)
+        assert attributes["messaging.system"] == "dramatiq"
+        assert attributes["messaging.operation.type"] == span.name.split()[0]
+        if span.name.startswith("process "):
+            event_type, traceparent = stored[str(attributes["messaging.message.id"])]
+            assert span.name == f"process {event_type}"
+            assert span.parent_span_id.hex() == traceparent.split("-")[2]
+        if span.name.startswith("send "):
+            (link,) = span.links
+            _, traceparent = stored[str(otlp_attributes(link)["messaging.message.id"])]
+            assert link.span_id.hex() == traceparent.split("-")[2]
 
 
 def test_consumer_outcomes_are_span_events_without_payloads_or_messages(engine, runtime, spans):

@@ -6,18 +6,15 @@ depends on which provider is (or is not) installed runs as a subprocess.
 
 from __future__ import annotations
 
-import http.server
+import json
 import os
 import subprocess
 import sys
 import textwrap
-import threading
-from collections.abc import Iterator
-from typing import ClassVar
 
 import pytest
 
-from tests.support import ROOT
+from tests.support import ROOT, OtlpReceiver, otlp_attributes
 
 PRODUCE = """
 import json
@@ -47,7 +44,6 @@ def test_without_a_provider_spans_are_no_ops_and_the_callers_context_propagates(
         from opentelemetry import context
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
         from pipeline.observability import tracing
-        assert "traceparent" not in headers()  # no context at all: nothing to store
         incoming = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
         carrier = {"traceparent": incoming, "tracestate": "k=v"}
         ctx = TraceContextTextMapPropagator().extract(carrier)
@@ -84,12 +80,14 @@ def test_console_exporter_prints_create_spans_and_configuration_is_idempotent():
     assert "hunter2" not in result.stdout
 
 
-def test_exporter_none_still_gives_events_their_own_context():
+def test_exporter_none_installs_no_provider_and_events_still_get_a_context():
     result = run(
         """
+        from opentelemetry import trace
         from pipeline import Settings
         from pipeline.observability import tracing
-        assert tracing.configure_tracing(Settings(), "pipeline-test") is not None
+        assert tracing.configure_tracing(Settings(), "pipeline-test") is None
+        assert isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
         print(headers()["traceparent"])
         tracing.shutdown_tracing()
         """
@@ -98,22 +96,22 @@ def test_exporter_none_still_gives_events_their_own_context():
     assert result.stdout.startswith("00-") and len(result.stdout.strip()) == 55
 
 
-def test_exporter_none_gives_the_pipelines_spans_ids_without_recording_them():
-    """Nothing reads a span when nothing exports: it is not recorded, its context still is."""
+def test_without_a_provider_a_workflow_made_outside_any_trace_is_one_trace():
+    """No provider, no current span: the event gets a new trace that its consumers continue."""
     result = run(
         """
         import uuid
         from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import SimpleSpanProcessor
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-        from pipeline import Settings
         from pipeline.envelope import ReceivedEvent
         from pipeline.observability import tracing
-        tracing.configure_tracing(Settings(), "pipeline-test")
         created = tracing.start_create_span("order.placed", "e1")
         assert not created.is_recording()
         stored = tracing.span_headers(created)["traceparent"]
-        assert int(stored[-2:], 16) & 1, stored  # sampled, as a recorded root would be
+        assert int(stored[-2:], 16) & 1, stored  # sampled, as the default sampler samples a root
+        assert headers()["traceparent"].split("-")[1] != stored.split("-")[1]  # a trace each
         event = ReceivedEvent(
             id=uuid.uuid4(), type="order.placed", version=1, data={}, source="s",
             time="2026-01-01T00:00:00+00:00", seq=1, traceparent=stored,
@@ -121,23 +119,66 @@ def test_exporter_none_gives_the_pipelines_spans_ids_without_recording_them():
         with tracing.process_span(event, "billing", 1) as span:
             assert not span.is_recording()
             assert trace.get_current_span() is span
-            process = span.get_span_context()
-            child = tracing.start_create_span("order.paid", "e2")
-        parent = created.get_span_context()
-        assert process.trace_id == parent.trace_id and process.span_id != parent.span_id
-        assert child.get_span_context().trace_id == parent.trace_id
+            follow_up = headers()["traceparent"]
+        assert follow_up.split("-")[1] == stored.split("-")[1], (follow_up, stored)
         with tracing.send_span("q", []) as send:
             assert not send.get_span_context().is_valid
-        memory = InMemorySpanExporter()  # a processor added later: spans are recorded again
-        trace.get_tracer_provider().add_span_processor(SimpleSpanProcessor(memory))
+        memory = InMemorySpanExporter()  # a provider installed later is used from then on
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        trace.set_tracer_provider(provider)
         with tracing.process_span(event, "billing", 1) as span:
             assert span.is_recording()
-        assert [s.name for s in memory.get_finished_spans()] == ["process order.placed"]
+        (process,) = memory.get_finished_spans()
+        assert process.name == "process order.placed"
+        assert f"{process.context.trace_id:032x}" == stored.split("-")[1]
         print("ok")
         """
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize(
+    ("sampler", "expected"),
+    [
+        ({}, "all"),
+        ({"OTEL_TRACES_SAMPLER": "always_off"}, "none"),
+        (
+            {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0"},
+            "none",
+        ),
+        ({"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.5"}, "ratio"),
+    ],
+)
+def test_a_new_trace_without_a_provider_is_sampled_as_the_configured_sampler_decides(
+    sampler: dict[str, str], expected: str
+):
+    result = run(
+        """
+        import json
+        from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
+        made = [headers() for _ in range(400)]
+        reference = TraceIdRatioBased(0.5)
+        rows = []
+        for stored in made:
+            _, trace_hex, _, flags = stored["traceparent"].split("-")
+            by_ratio = reference.should_sample(None, int(trace_hex, 16), "x").decision
+            rows.append([int(flags, 16) & 1, by_ratio is Decision.RECORD_AND_SAMPLE])
+        print(json.dumps(rows))
+        """,
+        **sampler,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    sampled = [bool(flag) for flag, _ in rows]
+    if expected == "all":
+        assert all(sampled)
+    elif expected == "none":
+        assert not any(sampled)
+    else:  # each trace's flag is the ratio sampler's decision for its trace id
+        assert sampled == [by_ratio for _, by_ratio in rows]
+        assert 0 < sum(sampled) < len(sampled)
 
 
 @pytest.mark.parametrize(
@@ -182,63 +223,92 @@ def test_sdk_disabled_leaves_tracing_off():
     assert result.stdout == ""
 
 
-class _Collector(http.server.BaseHTTPRequestHandler):
-    received: ClassVar[list[tuple[str, str, bytes]]] = []
-
-    def do_POST(self) -> None:
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        self.received.append((self.path, self.headers["Content-Type"], body))
-        self.send_response(200)
-        self.send_header("Content-Type", "application/x-protobuf")
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@pytest.fixture
-def otlp_collector() -> Iterator[tuple[str, list[tuple[str, str, bytes]]]]:
-    received: ClassVar[list[tuple[str, str, bytes]]] = []
-    handler = type("Handler", (_Collector,), {"received": received})
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", received
-    finally:
-        server.shutdown()
-        server.server_close()
+EXPORT_A_WORKFLOW = """
+import uuid
+from datetime import datetime, timezone
+from pipeline import Settings
+from pipeline.envelope import OutboxEvent, ReceivedEvent
+from pipeline.observability import tracing
+tracing.configure_tracing(Settings(), "pipeline-test")
+row = prepare_rows([NewEvent("order.placed", {"secret": "hunter2"})], Settings())[0]
+outbox = OutboxEvent(
+    id=row["id"], seq=1, aggregate_type=None, aggregate_id=None, ordering_key=None,
+    event_type="order.placed", event_version=1, payload_json=row["payload"],
+    headers_json=row["headers"], attempts=0, created_at=datetime.now(timezone.utc),
+)
+with tracing.send_span("pipeline.billing", [outbox]):
+    pass
+received = ReceivedEvent(
+    id=row["id"], type="order.placed", version=1, data={"secret": "hunter2"}, source="s",
+    time="2026-01-01T00:00:00+00:00", seq=1, traceparent=outbox.headers["traceparent"],
+)
+with tracing.process_span(received, "billing", 2) as span:
+    tracing.record_retry(span, ValueError("card hunter2 declined"), 0.5)
+print(row["id"])
+tracing.shutdown_tracing()
+"""
 
 
-def test_otlp_http_export_reaches_a_collector(otlp_collector):
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-    )
-
-    endpoint, received = otlp_collector
+def test_otlp_http_export_reaches_a_collector(otlp_receiver: OtlpReceiver):
+    """The official exporter posts the pipeline's spans; decoded, they carry no payload."""
     result = run(
-        """
-        from pipeline import Settings
-        from pipeline.observability import tracing
-        tracing.configure_tracing(Settings(), "pipeline-test")
-        headers()
-        tracing.shutdown_tracing()
-        """,
+        EXPORT_A_WORKFLOW,
         OTEL_TRACES_EXPORTER="otlp",
-        OTEL_EXPORTER_OTLP_ENDPOINT=endpoint,
+        OTEL_EXPORTER_OTLP_ENDPOINT=otlp_receiver.endpoint,
     )
     assert result.returncode == 0, result.stderr
+    event_id = result.stdout.strip()
+    received = otlp_receiver.received
     assert received, "nothing was exported"
-    path, content_type, body = received[0]
-    assert path == "/v1/traces" and content_type == "application/x-protobuf"
-    request = ExportTraceServiceRequest.FromString(body)
-    (resource_spans,) = request.resource_spans
-    service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}
-    assert service["service.name"] == "pipeline-test"
-    names = [s.name for scope in resource_spans.scope_spans for s in scope.spans]
-    assert names == ["create order.placed"]
-    assert b"hunter2" not in body
+    assert {(path, content_type) for path, content_type, _ in received} == {
+        ("/v1/traces", "application/x-protobuf")
+    }
+    assert not any(b"hunter2" in body for _, _, body in received)
+    spans = {span.name: (resource, span) for resource, span in otlp_receiver.spans()}
+    assert sorted(spans) == ["create order.placed", "process order.placed", "send pipeline.billing"]
+    for resource, _ in spans.values():
+        assert resource["service.name"] == "pipeline-test"
+        assert resource["pipeline.schema"] == "pipeline"
+    _, create = spans["create order.placed"]
+    _, send = spans["send pipeline.billing"]
+    _, process = spans["process order.placed"]
+    assert [create.kind, send.kind, process.kind] == [
+        create.SPAN_KIND_PRODUCER,
+        create.SPAN_KIND_CLIENT,
+        create.SPAN_KIND_CONSUMER,
+    ]
+    assert otlp_attributes(create) == {
+        "messaging.system": "dramatiq",
+        "messaging.operation.type": "create",
+        "messaging.operation.name": "create",
+        "messaging.destination.name": "order.placed",
+        "messaging.message.id": event_id,
+        "messaging.message.conversation_id": event_id,
+    }
+    assert otlp_attributes(send) == {
+        "messaging.system": "dramatiq",
+        "messaging.operation.type": "send",
+        "messaging.operation.name": "send",
+        "messaging.destination.name": "pipeline.billing",
+        "messaging.batch.message_count": 1,
+    }
+    (link,) = send.links
+    assert link.span_id == create.span_id and otlp_attributes(link) == {
+        "messaging.message.id": event_id
+    }
+    assert send.parent_span_id == create.span_id  # one event, one trace: a child in it
+    assert process.parent_span_id == create.span_id
+    assert create.trace_id == send.trace_id == process.trace_id
+    assert otlp_attributes(process)["messaging.consumer.group.name"] == "billing"
+    assert otlp_attributes(process)["pipeline.attempt"] == 2
+    assert otlp_attributes(process)["error.type"] == "ValueError"
+    (retry,) = process.events
+    assert retry.name == "pipeline.retry"
+    assert otlp_attributes(retry) == {
+        "error.type": "ValueError",
+        "pipeline.retry.delay_seconds": 0.5,
+    }
+    assert process.status.message == "ValueError"
 
 
 def test_without_a_provider_a_process_span_hands_the_creation_context_to_follow_ups():
@@ -257,7 +327,8 @@ def test_without_a_provider_a_process_span_hands_the_creation_context_to_follow_
             stored = headers()
         assert stored["traceparent"] == incoming, stored
         assert stored["tracestate"] == "k=v", stored
-        assert "traceparent" not in headers()  # detached again after the block
+        after = headers()["traceparent"]  # detached again after the block: a new trace
+        assert after.split("-")[1] != incoming.split("-")[1], after
         plain = ReceivedEvent(id=uuid.uuid4(), type="a", version=1, data={}, source="s",
                               time="", seq=1)
         try:
