@@ -11,8 +11,8 @@ the pipeline's can sit in one table:
   is not skipped); a rate counts as sustained when every event was handled within 2 s
   of the last commit;
 * closed loop: the producers commit as fast as they can for ``duration`` seconds, and
-  throughput is every event handled divided by the time from the first commit to the
-  last handler start (the drained rate). As in ``end_to_end.py`` the window starts
+  throughput is every event handled divided by the time from the producers' launch to
+  the last handler start (the drained rate). As in ``end_to_end.py`` the window starts
   before the producer process is spawned (``first_commit_after_start_s`` says how long
   it took to start), so both count that start-up alike.
 """
