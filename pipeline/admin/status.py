@@ -85,7 +85,11 @@ def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -
     dead_total = sum(database.dead_letters.values())
     if dead_total > thresholds.max_dead_letters:
         stages = ", ".join(f"{n} at {s}" for s, n in database.dead_letters.items() if n)
-        problems.append(f"{dead_total} dead letters ({stages}): see `pipeline dlq list`")
+        problems.append(
+            f"{dead_total} dead letters ({stages}): list them with `SELECT event_id, consumer,"
+            f" reason FROM {settings.schema_name}.dead_letters WHERE replayed_at IS NULL`;"
+            " `pipeline trace EVENT_ID` shows one event's history"
+        )
     if database.oldest_pending_age_seconds > thresholds.max_pending_age_seconds:
         problems.append(
             f"oldest unsent event is {database.oldest_pending_age_seconds:.0f}s old "
