@@ -38,18 +38,22 @@ def commands_in(text: str) -> Iterator[list[str]]:
 
 
 def markdown_code(text: str) -> Iterator[str]:
-    """Inline code spans, and the lines of shell (or unlabelled) fenced blocks."""
+    """Inline code spans (a span may wrap lines within a paragraph), and the lines of
+    shell (or unlabelled) fenced blocks."""
     fence: str | None = None
-    for line in text.splitlines():
+    paragraph: list[str] = []
+    for line in [*text.splitlines(), ""]:
         stripped = line.strip()
+        if fence is None and (not stripped or stripped.startswith("```")):
+            yield from CODE_SPAN.findall(" ".join(paragraph))
+            paragraph = []
         if stripped.startswith("```"):
             fence = stripped[3:].strip().lower() if fence is None else None
-            continue
-        if fence is not None:
+        elif fence is not None:
             if fence in SHELL_FENCES:
                 yield line.split(" #", 1)[0]  # a shell comment is prose
-            continue
-        yield from CODE_SPAN.findall(line)
+        elif stripped:
+            paragraph.append(stripped)
 
 
 def string_literals(path: Path) -> Iterator[str]:
@@ -135,6 +139,8 @@ def test_a_command_that_does_not_exist_is_reported(text: str) -> None:
         ("`pipeline.cli`, `pipeline_relay_up`, `pipeline-bench`", None),
         ("```python\nfrom pipeline import add_event\n```", None),
         ("`from pipeline import add_event`", None),
+        ("see `pipeline\ntrace EVENT_ID`, wrapped", ["trace"]),
+        ("`a` the pipeline passes `b`", None),
     ],
 )
 def test_what_counts_as_a_command(text: str, words: list[str] | None) -> None:
