@@ -25,6 +25,7 @@ import datetime as dt
 import importlib
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -59,6 +60,11 @@ PIPELINE_SEMANTICS = [
     "publishes, worker processes consume.",
     "Each event carries a W3C trace context and a CloudEvents envelope.",
 ]
+
+
+def without_passwords(text: str) -> str:
+    """``text`` with the password of every URL in it replaced (reports are shared)."""
+    return re.sub(r"://([^:/@\s]*):[^@/\s]+@", r"://\1:***@", text)
 
 
 def database_url(base: str, name: str) -> str:
@@ -147,9 +153,7 @@ def run_pipeline(url: str, redis_url: str, namespace: str, args: argparse.Namesp
         "versions": versions(("outbox-pipeline", "dramatiq", "redis", "sqlalchemy", "psycopg")),
         "settings": report["setup"],
         "runs": runs,
-        "end_to_end_command": report["command"]
-        .replace(url, "DATABASE_URL")
-        .replace(redis_url, "REDIS_URL"),
+        "end_to_end_command": without_passwords(report["command"]),
         "code": report["code"],
         "semantics": PIPELINE_SEMANTICS,
     }
@@ -205,7 +209,8 @@ def measure(system: str, url: str, redis_url: str, args: argparse.Namespace) -> 
                 }
             result = run_peer(module, url, redis_url, namespace, args)
     except Exception as exc:  # one peer's failure is a result, not the end of the run
-        return {"status": "failed", "error": f"{type(exc).__name__}: {exc}", **load}
+        error = without_passwords(f"{type(exc).__name__}: {exc}")
+        return {"status": "failed", "error": error, **load}
     return {**result, **load, "loadavg_after": os.getloadavg()}
 
 
@@ -271,7 +276,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = {
         "benchmark": "peers",
         "date": started,
-        "command": shlex.join([sys.executable, "-m", "benchmarks.peers", *sys.argv[1:]]),
+        "command": without_passwords(
+            shlex.join([sys.executable, "-m", "benchmarks.peers", *sys.argv[1:]])
+        ),
         "note": args.note,
         "machine": _machine(),
         "code": _code_version(),
