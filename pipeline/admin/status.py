@@ -15,6 +15,7 @@ from typing import Any
 
 import psycopg
 import redis
+from psycopg import sql
 
 from pipeline.admin.state import (
     QueueDepth,
@@ -85,7 +86,17 @@ def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -
     dead_total = sum(database.dead_letters.values())
     if dead_total > thresholds.max_dead_letters:
         stages = ", ".join(f"{n} at {s}" for s, n in database.dead_letters.items() if n)
-        problems.append(f"{dead_total} dead letters ({stages}): see `pipeline dlq list`")
+        listing = (  # shown to the operator, who runs it
+            sql.SQL(
+                "SELECT event_id, consumer, reason FROM {}.dead_letters WHERE replayed_at IS NULL"
+            )
+            .format(sql.Identifier(settings.schema_name))
+            .as_string(None)
+        )
+        problems.append(
+            f"{dead_total} dead letters ({stages}): list them with `{listing}`;"
+            " `pipeline trace EVENT_ID` shows one event's history"
+        )
     if database.oldest_pending_age_seconds > thresholds.max_pending_age_seconds:
         problems.append(
             f"oldest unsent event is {database.oldest_pending_age_seconds:.0f}s old "
