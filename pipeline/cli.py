@@ -225,11 +225,14 @@ def worker(
     import os
 
     from pipeline.db.privileges import worker_grants
+    from pipeline.registry import validate_queue_name
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.runtime import build_runtime
 
     settings = _with_apps(_settings(ctx), apps)
     settings.require_redis_url()
+    for queue in queues:
+        validate_queue_name(queue)
     publishing = not queues or PUBLISH_QUEUE_NAME in queues
     _check_database(settings, worker_grants(publishing=publishing), "pipeline worker")
     build_runtime(settings).close()  # import errors and bad settings: one line, here

@@ -27,7 +27,7 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 
 def validate_identifier(value: str, what: str = "identifier") -> str:
     """Accept only lower-case SQL identifiers, so they never need quoting tricks."""
-    if not _IDENTIFIER.match(value):
+    if not _IDENTIFIER.fullmatch(value):
         raise ConfigurationError(
             f"invalid {what} {value!r}: use 1-63 characters of a-z, 0-9 and _, "
             "not starting with a digit"
@@ -144,7 +144,7 @@ class Settings(BaseSettings):
     @field_validator("schema_name", "redis_namespace")
     @classmethod
     def _identifier(cls, value: str) -> str:
-        if not _IDENTIFIER.match(value):
+        if not _IDENTIFIER.fullmatch(value):
             raise ValueError("use 1-63 characters of a-z, 0-9 and _, not starting with a digit")
         return value
 

@@ -173,7 +173,7 @@ def _row(event: NewEvent, index: int, settings: Settings) -> dict[str, Any]:
         if isinstance(event.event_type, str)
         else (f"event {index}")
     )
-    if not isinstance(event.event_type, str) or not EVENT_TYPE.match(event.event_type):
+    if not isinstance(event.event_type, str) or not EVENT_TYPE.fullmatch(event.event_type):
         raise EventValidationError(
             f"{where}: event_type must be 1-200 characters of letters, digits and _.:/-"
         )
@@ -258,7 +258,8 @@ def _ordering_key(event: NewEvent, settings: Settings, where: str) -> str | None
 def _headers(event: NewEvent, event_id: uuid.UUID, where: str) -> dict[str, str]:
     headers: dict[str, str] = {}
     for name, value in event.headers.items():
-        if not isinstance(name, str) or not _HEADER_NAME.match(name) or name in RESERVED_HEADERS:
+        valid = isinstance(name, str) and _HEADER_NAME.fullmatch(name) is not None
+        if not valid or name in RESERVED_HEADERS:
             raise EventValidationError(
                 f"{where}: header name {name!r} is invalid or reserved "
                 "(lower-case a-z, 0-9, _.-; not traceparent/tracestate/correlation_id/causation_id)"

@@ -52,7 +52,7 @@ def validate_event_types(consumer: str, event_types: Iterable[str]) -> frozenset
     types = frozenset(event_types)
     for event_type in sorted(types, key=repr):
         if event_type != WILDCARD and not (
-            isinstance(event_type, str) and EVENT_TYPE.match(event_type)
+            isinstance(event_type, str) and EVENT_TYPE.fullmatch(event_type)
         ):
             raise ConfigurationError(
                 f"consumer {consumer!r}: invalid event type {event_type!r}: use 1-200 "
@@ -62,7 +62,7 @@ def validate_event_types(consumer: str, event_types: Iterable[str]) -> frozenset
 
 
 def validate_queue_name(queue: str) -> str:
-    if not _QUEUE.match(queue):
+    if not _QUEUE.fullmatch(queue):
         raise ConfigurationError(f"invalid queue name {queue!r}: use letters, digits and _.-")
     return queue
 
@@ -111,7 +111,7 @@ class Registry:
         subscription = Subscription(
             consumer=consumer,
             event_types=validate_event_types(consumer, event_types),
-            queue=validate_queue_name(queue or queue_name_for(consumer)),
+            queue=validate_queue_name(queue_name_for(consumer) if queue is None else queue),
             actor_name=actor_name_for(consumer),
             ordered=ordered,
             handler=handler,
