@@ -26,17 +26,24 @@ Grants = Mapping[str, frozenset[str]]
 """Table name (in the pipeline schema) to the privileges needed on it."""
 
 PUBLISHING: Grants = {
-    # claim_outbox and the outcomes (sent, released, retried, dead) read and update events
+    # claim_outbox and the outcomes (sent with its consumers, released, retried, dead)
     "outbox": frozenset({"SELECT", "UPDATE"}),
     # deliveries to ordered consumers are recorded in the inbox (INSERT ... ON CONFLICT
-    # reads the key); the delivery ledger updates them
+    # reads the key)
     "inbox": frozenset({"SELECT", "INSERT", "UPDATE"}),
     "attempts": frozenset({"INSERT"}),  # the history of failed publish attempts
     "dead_letters": frozenset({"SELECT", "INSERT"}),  # INSERT ... RETURNING reads it back
 }
 RELAY: Grants = {
-    "outbox": frozenset({"SELECT"}),  # has_due_work, and the state gauges' backlog
-    "dead_letters": frozenset({"SELECT"}),  # the state gauges' dead letters
+    # has_due_work; the ledger sweep and the state gauges read sent events
+    "outbox": frozenset({"SELECT"}),
+    # the ledger sweep records owed deliveries, locks them (FOR UPDATE) and dates each
+    # re-delivery; the gauges count what is owed
+    "inbox": frozenset({"SELECT", "INSERT", "UPDATE"}),
+    # deliveries whose event is gone are dead-lettered; the gauges count dead letters
+    "dead_letters": frozenset({"SELECT", "INSERT"}),
+    # the sweep's window (an upsert that returns the row, then advanced)
+    "delivery_sweep": frozenset({"SELECT", "INSERT", "UPDATE"}),
     # the relay's heartbeat (INSERT ... ON CONFLICT DO UPDATE) and its removal at exit
     "relay_state": frozenset({"SELECT", "INSERT", "UPDATE", "DELETE"}),
 }

@@ -165,7 +165,7 @@ def test_a_hostile_schema_name_never_reaches_sql(guarded, settings, value):
         with pytest.raises(ConfigurationError, match=message):
             load_lineage(conn, value, uuid.uuid4())
         with pytest.raises(ConfigurationError, match=message):
-            read_database_state(conn, value)
+            read_database_state(conn, value, 60.0)
     with guarded.begin() as conn:
         with pytest.raises(ConfigurationError, match=message):
             upgrade(conn, value)

@@ -538,6 +538,7 @@ READERS = {  # the operator command that reads each table
     "pipeline.outbox": ["status"],
     "pipeline.dead_letters": ["status"],
     "pipeline.relay_state": ["status"],
+    "pipeline.delivery_sweep": ["status"],
     "pipeline.attempts": ["trace", "EVENT"],
     "pipeline.inbox": ["trace", "EVENT"],
     "pipeline.schema_migrations": ["db", "pending"],
