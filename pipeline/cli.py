@@ -298,11 +298,11 @@ def status(
     import math
 
     from pipeline.admin.status import Thresholds, format_status, read_status
-
-    if math.isnan(max_pending_age):
-        raise click.BadParameter("must be a number of seconds", param_hint="'--max-pending-age'")
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.runtime import import_app_modules
+
+    if math.isnan(max_pending_age):  # FloatRange lets nan through: it compares false
+        raise click.BadParameter("must be a number of seconds", param_hint="'--max-pending-age'")
 
     settings = _with_apps(_settings(ctx), apps)
     import_app_modules(settings.app_module_names())

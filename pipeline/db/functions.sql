@@ -34,8 +34,9 @@ $$;
 -- would otherwise scan every unsent row on each insert for the life of the connection.
 -- SECURITY DEFINER: the lookup reads other events' rows and nextval needs the sequence,
 -- neither of which a producer may do itself (it can write events, not read them). The
--- function takes no input but NEW's ordering key, used as a value, and its search_path
--- is pinned, so running it with the owner's rights gives the caller nothing else.
+-- function's only inputs are the new row's ordering key and due time, used as values, and
+-- its search_path is pinned, so running it with the owner's rights gives the caller
+-- nothing else.
 CREATE OR REPLACE FUNCTION sequence_ordered_event() RETURNS trigger
 LANGUAGE plpgsql
 SECURITY DEFINER
