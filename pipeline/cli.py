@@ -7,6 +7,7 @@ usage errors exit 2 (click's convention). Tracebacks are kept for real bugs.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -80,6 +81,15 @@ def db_pending(ctx: click.Context) -> None:
     click.echo("no pending migrations")
 
 
+def _check_database(settings: Settings, grants: Mapping[str, frozenset[str]], command: str) -> None:
+    """Fail fast, with one clear line, on a bad URL, a down server or a missing grant."""
+    from pipeline.db.connect import connect
+    from pipeline.db.privileges import require_privileges
+
+    with connect(settings) as conn:
+        require_privileges(conn, settings.schema_name, grants, command)
+
+
 def _with_apps(settings: Settings, apps: tuple[str, ...]) -> Settings:
     if not apps:
         return settings
@@ -122,13 +132,14 @@ def relay(
     """Wake on NOTIFY (with a polling fallback) and publish due outbox events."""
     import signal
 
-    from pipeline.db.connect import connect
+    from pipeline.db.privileges import relay_grants
     from pipeline.observability.tracing import configure_tracing, shutdown_tracing
     from pipeline.relay.relay import Relay
     from pipeline.runtime import build_runtime
 
     settings = _with_apps(_settings(ctx), apps)
-    connect(settings).close()  # fail fast, with one clear line, on a bad URL or a down server
+    grants = relay_grants(publishing=mode != "workers", canary=settings.canary_interval > 0)
+    _check_database(settings, grants, "pipeline relay")
     runtime = build_runtime(settings)
     server = Relay(
         settings,
@@ -213,12 +224,17 @@ def worker(
     """
     import os
 
-    from pipeline.db.connect import connect
+    from pipeline.db.privileges import worker_grants
+    from pipeline.registry import validate_queue_name
+    from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.runtime import build_runtime
 
     settings = _with_apps(_settings(ctx), apps)
     settings.require_redis_url()
-    connect(settings).close()
+    for queue in queues:
+        validate_queue_name(queue)
+    publishing = not queues or PUBLISH_QUEUE_NAME in queues
+    _check_database(settings, worker_grants(publishing=publishing), "pipeline worker")
     build_runtime(settings).close()  # import errors and bad settings: one line, here
     env = dict(os.environ)
     env["PIPELINE_APP_MODULES"] = settings.app_modules
@@ -279,10 +295,14 @@ def status(
     than --max-pending-age) or when Postgres or Redis cannot be read.
     """
     import json
+    import math
 
     from pipeline.admin.status import Thresholds, format_status, read_status
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.runtime import import_app_modules
+
+    if math.isnan(max_pending_age):  # FloatRange lets nan through: it compares false
+        raise click.BadParameter("must be a number of seconds", param_hint="'--max-pending-age'")
 
     settings = _with_apps(_settings(ctx), apps)
     import_app_modules(settings.app_module_names())
@@ -345,6 +365,14 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+    except Exception as exc:
+        from pipeline.db.connect import permission_denied
+
+        denied = permission_denied(exc)  # a grant revoked while running, or a read refused
+        if denied is None:
+            raise
+        click.echo(f"pipeline: error: {denied}", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

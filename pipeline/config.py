@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from functools import lru_cache
 from typing import Annotated, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,7 +27,7 @@ PositiveFloat = Annotated[float, Field(gt=0)]
 
 def validate_identifier(value: str, what: str = "identifier") -> str:
     """Accept only lower-case SQL identifiers, so they never need quoting tricks."""
-    if not _IDENTIFIER.match(value):
+    if not _IDENTIFIER.fullmatch(value):
         raise ConfigurationError(
             f"invalid {what} {value!r}: use 1-63 characters of a-z, 0-9 and _, "
             "not starting with a digit"
@@ -35,17 +35,52 @@ def validate_identifier(value: str, what: str = "identifier") -> str:
     return value
 
 
+_QUERY_SECRET = re.compile(r"((?:^|[&;])(?:password|sslpassword)=)[^&;]*", re.IGNORECASE)
+
+
 def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (safe to log)."""
+    """Return ``url`` with any password replaced by ``***`` (safe to log).
+
+    Both places a URL can carry one are covered: ``user:password@`` and the
+    ``password=`` (or ``sslpassword=``) query parameter that libpq also reads.
+    """
     try:
         parts = urlsplit(url)
+        password = parts.password
     except ValueError:
         return "<unparseable url>"
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    if password is not None:
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{netloc}")
+    if parts.query:
+        parts = parts._replace(query=_QUERY_SECRET.sub(r"\1***", parts.query))
+    return urlunsplit(parts)
+
+
+def url_secrets(url: str) -> list[str]:
+    """The passwords ``url`` carries, as written and percent-decoded (longest first)."""
+    found: set[str] = set()
+    userinfo = url.split("://", 1)[-1].split("/", 1)[0].rpartition("@")[0]
+    if ":" in userinfo:
+        found.add(userinfo.split(":", 1)[1])
+    query = url.partition("?")[2]
+    for match in _QUERY_SECRET.finditer(query):
+        found.add(match.group(0).split("=", 1)[1])
+    found |= {unquote(secret) for secret in found}
+    return sorted((secret for secret in found if secret), key=len, reverse=True)
+
+
+def redact_secrets(text: str, *urls: str) -> str:
+    """``text`` with every password of ``urls`` replaced by ``***``.
+
+    The last guard before a driver's message is shown: libpq and redis-py may quote the
+    URL they were given when it does not parse.
+    """
+    for url in urls:
+        text = text.replace(url, redact_url(url))
+        for secret in url_secrets(url):
+            text = text.replace(secret, "***")
+    return text
 
 
 class Settings(BaseSettings):
@@ -109,17 +144,19 @@ class Settings(BaseSettings):
     @field_validator("schema_name", "redis_namespace")
     @classmethod
     def _identifier(cls, value: str) -> str:
-        if not _IDENTIFIER.match(value):
+        if not _IDENTIFIER.fullmatch(value):
             raise ValueError("use 1-63 characters of a-z, 0-9 and _, not starting with a digit")
         return value
 
     @field_validator("database_url")
     @classmethod
     def _postgres_url(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and not value.get_secret_value().startswith(
-            ("postgresql://", "postgres://", "postgresql+psycopg://")
-        ):
+        if value is None:
+            return value
+        url = value.get_secret_value()
+        if not url.startswith(("postgresql://", "postgres://", "postgresql+psycopg://")):
             raise ValueError("must start with postgresql://")
+        check_postgres_url(libpq_url(url))
         return value
 
     @field_validator("redis_url")
@@ -154,6 +191,28 @@ class Settings(BaseSettings):
     def sqlalchemy_url(self) -> str:
         """The database URL with the psycopg 3 dialect, for SQLAlchemy engines."""
         return "postgresql+psycopg://" + self.require_database_url().split("://", 1)[1]
+
+
+def check_postgres_url(url: str) -> None:
+    """Refuse a URL that libpq or SQLAlchemy cannot parse, in words that never quote it.
+
+    The drivers' own messages repeat the whole URL, password included.
+    """
+    import psycopg
+
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # an unbalanced [ ] around an IPv6 host
+        raise ValueError(f"is not a valid URL ({redact_secrets(str(exc), url)})") from None
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        raise ValueError("is not a valid URL: its port is not a number from 0 to 65535") from None
+    try:
+        psycopg.conninfo.conninfo_to_dict(url)
+    except psycopg.ProgrammingError as exc:
+        reason = redact_secrets(str(exc).splitlines()[0], url)
+        raise ValueError(f"is not a valid Postgres URL ({reason})") from None
 
 
 def libpq_url(url: str) -> str:

@@ -9,6 +9,7 @@ unreachable server); the CLI prints them as one line and exits non-zero::
     ├── UnknownConsumerError      a message or command names a consumer nobody registered
     ├── ServiceUnavailableError   Postgres or Redis could not be reached (driver error wrapped)
     ├── MigrationError            the database schema could not be brought up to date
+    ├── PermissionDeniedError     the database role lacks a grant (docs/security.md)
     └── NotFoundError             an event or dead letter named by an operator does not exist
 """
 
@@ -37,6 +38,10 @@ class ServiceUnavailableError(PipelineError):
 
 class MigrationError(PipelineError):
     """The schema is newer than this code, or a migration failed."""
+
+
+class PermissionDeniedError(PipelineError):
+    """The database role lacks a privilege; the message names it (never the credentials)."""
 
 
 class NotFoundError(PipelineError, LookupError):

@@ -17,16 +17,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import context as otel_context
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
 from pipeline.config import Settings, get_settings
+from pipeline.db.connect import permission_denied
 from pipeline.db.queries import queries_for
-from pipeline.errors import EventValidationError
+from pipeline.errors import EventValidationError, PermissionDeniedError
 from pipeline.ids import uuid7
 from pipeline.observability.tracing import span_headers, start_create_span
+from pipeline.registry import EVENT_TYPE
 
-_EVENT_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
 _HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 RESERVED_HEADERS = frozenset({"traceparent", "tracestate", "correlation_id", "causation_id"})
 # outbox_insert's array parameters, each the named column of every row
@@ -77,7 +79,13 @@ def add_events(session: Session, events: Sequence[NewEvent]) -> list[uuid.UUID]:
     settings = get_settings()
     rows = prepare_rows(events, settings)
     if rows:
-        session.connection().exec_driver_sql(*_insert(rows, settings))
+        try:
+            session.connection().exec_driver_sql(*_insert(rows, settings))
+        except DBAPIError as exc:
+            denied = _denied(exc, settings)
+            if denied is None:
+                raise
+            raise denied from exc
     return [row["id"] for row in rows]
 
 
@@ -94,8 +102,22 @@ async def add_events_async(session: AsyncSession, events: Sequence[NewEvent]) ->
     rows = prepare_rows(events, settings)
     if rows:
         connection = await session.connection()
-        await connection.exec_driver_sql(*_insert(rows, settings))
+        try:
+            await connection.exec_driver_sql(*_insert(rows, settings))
+        except DBAPIError as exc:
+            denied = _denied(exc, settings)
+            if denied is None:
+                raise
+            raise denied from exc
     return [row["id"] for row in rows]
+
+
+def _denied(exc: DBAPIError, settings: Settings) -> PermissionDeniedError | None:
+    """A missing grant as one clear error (the transaction is aborted, as for any failed SQL)."""
+    schema = settings.schema_name
+    return permission_denied(
+        exc, f"adding events needs USAGE on schema {schema} and INSERT on {schema}.outbox"
+    )
 
 
 def _insert(rows: list[dict[str, Any]], settings: Settings) -> tuple[str, dict[str, Any]]:
@@ -151,7 +173,7 @@ def _row(event: NewEvent, index: int, settings: Settings) -> dict[str, Any]:
         if isinstance(event.event_type, str)
         else (f"event {index}")
     )
-    if not isinstance(event.event_type, str) or not _EVENT_TYPE.match(event.event_type):
+    if not isinstance(event.event_type, str) or not EVENT_TYPE.fullmatch(event.event_type):
         raise EventValidationError(
             f"{where}: event_type must be 1-200 characters of letters, digits and _.:/-"
         )
@@ -178,7 +200,12 @@ def encode_payload(payload: Any, max_bytes: int, where: str = "event") -> str:
         encoded = json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise EventValidationError(f"{where}: payload is not JSON-serialisable: {exc}") from None
-    size = len(encoded.encode("utf-8"))
+    try:
+        size = len(encoded.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise EventValidationError(
+            f"{where}: payload contains a lone surrogate, which is not valid UTF-8"
+        ) from None
     if size > max_bytes:
         raise EventValidationError(
             f"{where}: payload is {size} bytes, over the limit of {max_bytes} "
@@ -196,7 +223,23 @@ def _optional_text(value: object, name: str, where: str) -> str | None:
         return None
     if not isinstance(value, str) or not value or len(value) > 500:
         raise EventValidationError(f"{where}: {name} must be a non-empty string of <= 500 chars")
+    if not _storable(value):
+        raise EventValidationError(f"{where}: {name} {_UNSTORABLE}")
     return value
+
+
+_UNSTORABLE = "contains a NUL character or a lone surrogate, which Postgres text cannot hold"
+
+
+def _storable(value: str) -> bool:
+    """Whether Postgres can store ``value`` as text (values are data, stored verbatim)."""
+    if "\x00" in value:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _ordering_key(event: NewEvent, settings: Settings, where: str) -> str | None:
@@ -215,7 +258,8 @@ def _ordering_key(event: NewEvent, settings: Settings, where: str) -> str | None
 def _headers(event: NewEvent, event_id: uuid.UUID, where: str) -> dict[str, str]:
     headers: dict[str, str] = {}
     for name, value in event.headers.items():
-        if not isinstance(name, str) or not _HEADER_NAME.match(name) or name in RESERVED_HEADERS:
+        valid = isinstance(name, str) and _HEADER_NAME.fullmatch(name) is not None
+        if not valid or name in RESERVED_HEADERS:
             raise EventValidationError(
                 f"{where}: header name {name!r} is invalid or reserved "
                 "(lower-case a-z, 0-9, _.-; not traceparent/tracestate/correlation_id/causation_id)"
@@ -224,6 +268,8 @@ def _headers(event: NewEvent, event_id: uuid.UUID, where: str) -> dict[str, str]
             raise EventValidationError(
                 f"{where}: header {name!r} must be a string of <= 1024 chars"
             )
+        if not _storable(value):
+            raise EventValidationError(f"{where}: header {name!r} {_UNSTORABLE}")
         headers[name] = value
     headers["correlation_id"] = str(event.correlation_id or event_id)
     if event.causation_id is not None:

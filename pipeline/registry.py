@@ -44,10 +44,25 @@ class Subscription:
 
 
 _QUEUE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,99}$")
+EVENT_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
+"""What an event type may be: the producer refuses others, so no consumer could get them."""
+
+
+def validate_event_types(consumer: str, event_types: Iterable[str]) -> frozenset[str]:
+    types = frozenset(event_types)
+    for event_type in sorted(types, key=repr):
+        if event_type != WILDCARD and not (
+            isinstance(event_type, str) and EVENT_TYPE.fullmatch(event_type)
+        ):
+            raise ConfigurationError(
+                f"consumer {consumer!r}: invalid event type {event_type!r}: use 1-200 "
+                'characters of letters, digits and _.:/- (or "*" for every type)'
+            )
+    return types
 
 
 def validate_queue_name(queue: str) -> str:
-    if not _QUEUE.match(queue):
+    if not _QUEUE.fullmatch(queue):
         raise ConfigurationError(f"invalid queue name {queue!r}: use letters, digits and _.-")
     return queue
 
@@ -92,10 +107,11 @@ class Registry:
         handler: Any = None,
     ) -> Subscription:
         """Register a route; ``handler`` is None for a consumer served by another process."""
+        validate_identifier(consumer, "consumer name")  # before it names a queue and an actor
         subscription = Subscription(
             consumer=consumer,
-            event_types=frozenset(event_types),
-            queue=validate_queue_name(queue or queue_name_for(consumer)),
+            event_types=validate_event_types(consumer, event_types),
+            queue=validate_queue_name(queue_name_for(consumer) if queue is None else queue),
             actor_name=actor_name_for(consumer),
             ordered=ordered,
             handler=handler,

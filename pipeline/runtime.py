@@ -48,7 +48,7 @@ def import_app_modules(names: list[str]) -> None:
     for name in names:
         try:
             importlib.import_module(name)
-        except ImportError as exc:
+        except (ImportError, TypeError, ValueError) as exc:  # ".x" and ".." raise TypeError
             raise ConfigurationError(
                 f"cannot import application module {name!r} (PIPELINE_APP_MODULES / --app): {exc}"
             ) from None

@@ -25,7 +25,7 @@ import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pipeline.config import Settings, redact_url
+from pipeline.config import Settings, redact_secrets, redact_url
 from pipeline.db.connect import connect
 from pipeline.db.queries import queries_for
 from pipeline.errors import MigrationError, ServiceUnavailableError
@@ -142,8 +142,11 @@ def redis_client(settings: Settings, timeout: float = 5.0) -> redis.Redis:
 
 
 def redis_unavailable(settings: Settings, exc: BaseException) -> ServiceUnavailableError:
-    url = redact_url(settings.require_redis_url())
-    return ServiceUnavailableError(f"cannot use Redis at {url}: {type(exc).__name__}: {exc}")
+    url = settings.require_redis_url()
+    reason = redact_secrets(str(exc), url)
+    return ServiceUnavailableError(
+        f"cannot use Redis at {redact_url(url)}: {type(exc).__name__}: {reason}"
+    )
 
 
 class StateCollector(Collector):

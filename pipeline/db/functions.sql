@@ -1,12 +1,17 @@
 -- Repeatable objects (functions and triggers), re-applied whenever this file changes.
--- Runs with search_path set to the pipeline schema; :channel is the NOTIFY channel.
+-- Runs with search_path set to the pipeline schema; :channel is the NOTIFY channel and
+-- :schema the quoted schema name. Every function pins its search_path to the schema and
+-- then pg_temp, so that no temporary table of the caller can stand in for a pipeline table.
 
 -- Wake the relay after an outbox insert, but only while no relay is busy: a busy relay
 -- polls continuously, and skipping NOTIFY spares producers its database-wide commit lock.
 -- The payload is constant so that all notifications of one transaction fold into one.
+-- SECURITY DEFINER (runs as the schema's owner), as sequence_ordered_event below: a
+-- producer needs INSERT on the outbox and nothing else, not SELECT on relay_state.
 CREATE OR REPLACE FUNCTION notify_outbox() RETURNS trigger
 LANGUAGE plpgsql
-SET search_path FROM CURRENT
+SECURITY DEFINER
+SET search_path = :schema, pg_temp
 AS $$
 BEGIN
     IF NOT EXISTS (
@@ -27,9 +32,15 @@ $$;
 -- enable_seqscan is off inside: PL/pgSQL caches the lookup's plan per connection, and a
 -- plan made while the outbox looked empty (after a TRUNCATE, a fresh install, a VACUUM)
 -- would otherwise scan every unsent row on each insert for the life of the connection.
+-- SECURITY DEFINER: the lookup reads other events' rows and nextval needs the sequence,
+-- neither of which a producer may do itself (it can write events, not read them). The
+-- function's only inputs are the new row's ordering key and due time, used as values, and
+-- its search_path is pinned, so running it with the owner's rights gives the caller
+-- nothing else.
 CREATE OR REPLACE FUNCTION sequence_ordered_event() RETURNS trigger
 LANGUAGE plpgsql
-SET search_path FROM CURRENT
+SECURITY DEFINER
+SET search_path = :schema, pg_temp
 SET enable_seqscan = off
 AS $$
 BEGIN
@@ -59,6 +70,8 @@ $$;
 -- enable_bitmapscan is off too: a bitmap scan never marks an index entry dead, so every
 -- claim between two vacuums visited the entry of every event sent since the last one
 -- (thousands at 1,000 events/s); a plain index scan in seq order marks them on its way.
+-- It runs with the caller's rights (SECURITY INVOKER): only a role granted UPDATE on the
+-- outbox (relays, workers running publishing actors) can claim.
 CREATE OR REPLACE FUNCTION claim_outbox(
     p_schema_name text, p_scan_limit integer, p_max_run integer, p_batch_size integer,
     p_token bigint, p_owner text, p_lease_seconds double precision
@@ -69,7 +82,7 @@ RETURNS TABLE (
     created_at timestamptz
 )
 LANGUAGE plpgsql
-SET search_path FROM CURRENT
+SET search_path = :schema, pg_temp
 SET enable_seqscan = off
 SET enable_bitmapscan = off
 AS $$

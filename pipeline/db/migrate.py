@@ -56,11 +56,18 @@ def notify_channel(schema: str) -> str:
 def functions_sql(schema: str) -> str:
     """The repeatable functions and triggers for ``schema``, ready to execute."""
     channel = sql.Literal(notify_channel(schema)).as_string()
-    return _package_sql("functions.sql").replace(":channel", channel)
+    body = _package_sql("functions.sql").replace(":channel", channel)
+    return body.replace(":schema", _quoted(schema))
 
 
 def _quoted(schema: str) -> str:
     return sql.Identifier(validate_identifier(schema, "schema name")).as_string()
+
+
+def _statement(template: str, schema: str) -> str:
+    """``template`` with ``{}`` replaced by the quoted schema identifier."""
+    identifier = sql.Identifier(validate_identifier(schema, "schema name"))
+    return sql.SQL(template).format(identifier).as_string()
 
 
 @dataclass(frozen=True)
@@ -78,12 +85,17 @@ def upgrade(connection: Connection, schema: str = "pipeline") -> UpgradeResult:
 
     The caller commits (``engine.begin()`` does); an Alembic migration's bind works too.
     """
-    quoted = _quoted(schema)
+    validate_identifier(schema, "schema name")
     connection.execute(
         text("SELECT pg_advisory_xact_lock(hashtext(:key))"), {"key": f"pipeline.migrate.{schema}"}
     )
-    connection.exec_driver_sql(f"CREATE SCHEMA IF NOT EXISTS {quoted}")
-    connection.exec_driver_sql(f"SET LOCAL search_path TO {quoted}")
+    # CREATE SCHEMA IF NOT EXISTS needs CREATE on the database even when the schema exists:
+    # asking first lets a least-privilege owner upgrade a schema it was given (docs/security.md).
+    if not connection.execute(
+        text("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = :schema)"), {"schema": schema}
+    ).scalar_one():
+        connection.exec_driver_sql(_statement("CREATE SCHEMA {}", schema))
+    connection.exec_driver_sql(_statement("SET LOCAL search_path TO {}", schema))
     connection.exec_driver_sql(
         "CREATE TABLE IF NOT EXISTS schema_migrations ("
         " version integer PRIMARY KEY, name text NOT NULL, checksum text NOT NULL,"
@@ -125,11 +137,8 @@ def pending_migrations(connection: Connection, schema: str = "pipeline") -> list
     ).scalar_one()
     done: set[int] = set()
     if exists:
-        done = set(
-            connection.execute(
-                text(f"SELECT version FROM {_quoted(schema)}.schema_migrations")  # noqa: S608
-            ).scalars()
-        )
+        query = _statement("SELECT version FROM {}.schema_migrations", schema)
+        done = set(connection.exec_driver_sql(query).scalars())
     return [m.version for m in available_migrations() if m.version not in done]
 
 

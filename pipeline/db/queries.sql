@@ -178,3 +178,17 @@ VALUES (%(id)s, %(aggregate_type)s, %(aggregate_id)s, %(ordering_key)s, %(event_
 -- The end-to-end canary: a heartbeat event through the whole path (unordered, tiny).
 INSERT INTO {schema}.outbox (id, event_type, payload, headers)
 VALUES (%(id)s, %(event_type)s, %(payload)s::jsonb, %(headers)s::jsonb);
+
+-- name: missing_privileges
+-- Which of the wanted (table, privilege) pairs the current role lacks, and whether it lacks
+-- USAGE on the schema; tables not installed are skipped. The catalogs are read by oid, so
+-- the check itself needs no privilege on the schema. The schema is a value here.
+SELECT current_user, w.table_name, w.privilege
+FROM unnest(%(tables)s::text[], %(privileges)s::text[]) AS w (table_name, privilege)
+JOIN pg_namespace n ON n.nspname = %(schema_name)s
+JOIN pg_class c ON c.relnamespace = n.oid AND c.relname = w.table_name
+WHERE NOT has_table_privilege(c.oid, w.privilege)
+UNION ALL
+SELECT current_user, NULL, 'USAGE'
+FROM pg_namespace n
+WHERE n.nspname = %(schema_name)s AND NOT has_schema_privilege(n.oid, 'USAGE');

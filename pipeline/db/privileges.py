@@ -1,0 +1,112 @@
+"""The table privileges each pipeline process needs, checked once at start-up.
+
+A role missing a grant that only a rare path uses (dead-lettering, retries) would
+otherwise run for days and fail in the middle of an incident. ``pipeline relay`` and
+``pipeline worker`` therefore compare their database role's privileges with what
+their code can run before they serve, and refuse to start with one line naming each
+missing grant. The grants are the ones docs/security.md lists per role; a test applies
+that page's SQL and checks that each of its grants is required here and that the
+processes work with exactly those.
+
+The producer needs INSERT on the outbox only: the insert triggers run as the schema's
+owner (SECURITY DEFINER in functions.sql).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import psycopg
+
+from pipeline.db.queries import queries_for
+from pipeline.errors import PermissionDeniedError
+
+Grants = Mapping[str, frozenset[str]]
+"""Table name (in the pipeline schema) to the privileges needed on it."""
+
+PUBLISHING: Grants = {
+    # claim_outbox and the outcomes (sent with its consumers, released, retried, dead)
+    "outbox": frozenset({"SELECT", "UPDATE"}),
+    # deliveries to ordered consumers are recorded in the inbox (INSERT ... ON CONFLICT
+    # reads the key)
+    "inbox": frozenset({"SELECT", "INSERT", "UPDATE"}),
+    "attempts": frozenset({"INSERT"}),  # the history of failed publish attempts
+    "dead_letters": frozenset({"SELECT", "INSERT"}),  # INSERT ... RETURNING reads it back
+}
+RELAY: Grants = {
+    # has_due_work; the ledger sweep and the state gauges read sent events
+    "outbox": frozenset({"SELECT"}),
+    # the ledger sweep records owed deliveries, locks them (FOR UPDATE) and dates each
+    # re-delivery; the gauges count what is owed
+    "inbox": frozenset({"SELECT", "INSERT", "UPDATE"}),
+    # deliveries whose event is gone are dead-lettered; the gauges count dead letters
+    "dead_letters": frozenset({"SELECT", "INSERT"}),
+    # the sweep's window (an upsert that returns the row, then advanced)
+    "delivery_sweep": frozenset({"SELECT", "INSERT", "UPDATE"}),
+    # the relay's heartbeat (INSERT ... ON CONFLICT DO UPDATE) and its removal at exit
+    "relay_state": frozenset({"SELECT", "INSERT", "UPDATE", "DELETE"}),
+}
+CANARY: Grants = {"outbox": frozenset({"INSERT"})}  # the relay commits heartbeat events
+CONSUMING: Grants = {
+    "inbox": frozenset({"SELECT", "INSERT", "UPDATE"}),  # claims, failures, order checks
+    "attempts": frozenset({"INSERT"}),  # failed handler attempts
+    "dead_letters": frozenset({"INSERT"}),  # events that ran out of retries
+    "outbox": frozenset({"INSERT"}),  # follow-up events published by handlers
+}
+
+
+def combine(*parts: Grants) -> dict[str, frozenset[str]]:
+    """The union of several needs, table by table."""
+    merged: dict[str, frozenset[str]] = {}
+    for part in parts:
+        for table, privileges in part.items():
+            merged[table] = merged.get(table, frozenset()) | privileges
+    return merged
+
+
+def relay_grants(*, publishing: bool, canary: bool) -> dict[str, frozenset[str]]:
+    """What ``pipeline relay`` needs (``publishing`` is false in ``--mode workers``)."""
+    return combine(RELAY, PUBLISHING if publishing else {}, CANARY if canary else {})
+
+
+def worker_grants(*, publishing: bool) -> dict[str, frozenset[str]]:
+    """What ``pipeline worker`` needs (``publishing``: it consumes the publishing queue)."""
+    return combine(CONSUMING, PUBLISHING if publishing else {})
+
+
+def missing_privileges(
+    conn: psycopg.Connection[Any], schema: str, grants: Grants
+) -> tuple[str, list[str]]:
+    """The current role's name and each grant of ``grants`` it lacks, as readable text.
+
+    Tables that are not installed are skipped: a missing schema is reported (or waited
+    for) by the process itself.
+    """
+    pairs = sorted((table, privilege) for table, wanted in grants.items() for privilege in wanted)
+    rows = conn.execute(
+        queries_for(schema)["missing_privileges"],
+        {
+            "schema_name": schema,
+            "tables": [table for table, _ in pairs],
+            "privileges": [privilege for _, privilege in pairs],
+        },
+    ).fetchall()
+    role = str(rows[0][0]) if rows else ""
+    missing = [
+        f"USAGE on schema {schema}" if table is None else f"{privilege} on {schema}.{table}"
+        for _, table, privilege in rows
+    ]
+    return role, sorted(missing)
+
+
+def require_privileges(
+    conn: psycopg.Connection[Any], schema: str, grants: Grants, command: str
+) -> None:
+    """Raise :class:`PermissionDeniedError` naming every missing grant, if any."""
+    role, missing = missing_privileges(conn, schema, grants)
+    if missing:
+        raise PermissionDeniedError(
+            f"permission denied: the database role {role!r} lacks {', '.join(missing)}, "
+            f"which `{command}` needs (the grants are in docs/security.md)"
+        )
