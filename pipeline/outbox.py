@@ -20,13 +20,13 @@ from opentelemetry import context as otel_context
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from pipeline.config import Settings, get_settings
+from pipeline.config import EVENT_TYPE, Settings, get_settings
+from pipeline.db.ordering import ordering_lock_bucket
 from pipeline.db.queries import queries_for
 from pipeline.errors import EventValidationError
 from pipeline.ids import uuid7
 from pipeline.observability.tracing import span_headers, start_create_span
 
-_EVENT_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
 _HEADER_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 RESERVED_HEADERS = frozenset({"traceparent", "tracestate", "correlation_id", "causation_id"})
 # outbox_insert's array parameters, each the named column of every row
@@ -134,15 +134,18 @@ def prepare_rows(events: Sequence[NewEvent], settings: Settings) -> list[dict[st
 
 
 def insertion_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows stably sorted by ordering key, the order in which the insert takes key locks.
+    """Rows stably sorted by their key's lock, the order in which the insert takes the locks.
 
-    The insert trigger locks each ordering key (on a 64-bit hash of it); taking the locks
-    in one fixed order keeps two concurrent batches from deadlocking each other. Each key
-    keeps its events' order.
+    The insert trigger locks each ordering key's bucket (:mod:`pipeline.db.ordering`);
+    taking the locks in ascending order keeps two concurrent batches from deadlocking each
+    other. Each key keeps its events' order.
     """
-    return sorted(
-        rows, key=lambda row: (row["ordering_key"] is not None, row["ordering_key"] or "")
-    )
+
+    def lock_order(row: dict[str, Any]) -> tuple[bool, int, str]:
+        key = row["ordering_key"]
+        return (key is not None, ordering_lock_bucket(key) if key is not None else 0, key or "")
+
+    return sorted(rows, key=lock_order)
 
 
 def _row(event: NewEvent, index: int, settings: Settings) -> dict[str, Any]:
@@ -151,7 +154,7 @@ def _row(event: NewEvent, index: int, settings: Settings) -> dict[str, Any]:
         if isinstance(event.event_type, str)
         else (f"event {index}")
     )
-    if not isinstance(event.event_type, str) or not _EVENT_TYPE.match(event.event_type):
+    if not isinstance(event.event_type, str) or not EVENT_TYPE.match(event.event_type):
         raise EventValidationError(
             f"{where}: event_type must be 1-200 characters of letters, digits and _.:/-"
         )
