@@ -15,7 +15,14 @@ from functools import lru_cache
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from pipeline.errors import ConfigurationError
@@ -161,7 +168,7 @@ class Settings(BaseSettings):
 
     @field_validator("log_format", "log_level", mode="before")
     @classmethod
-    def _any_case(cls, value: Any, info: Any) -> Any:
+    def _any_case(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str):
             return value.strip().upper() if info.field_name == "log_level" else value.lower()
         return value

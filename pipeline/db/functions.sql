@@ -1,6 +1,6 @@
 -- Repeatable objects (functions and triggers), re-applied whenever this file changes.
--- Runs with search_path set to the pipeline schema; :channel is the NOTIFY channel,
--- :ordering_lock_class and :ordering_lock_buckets come from pipeline/db/ordering.py.
+-- Runs with search_path set to the pipeline schema. Placeholders filled in by migrate.py:
+-- the NOTIFY channel, and the ordering locks' class and bucket count (pipeline/db/ordering.py).
 
 -- Wake the relay after an outbox insert, but only while no relay is busy: a busy relay
 -- polls continuously, and skipping NOTIFY spares producers its database-wide commit lock.
@@ -40,7 +40,7 @@ DECLARE
 BEGIN
     PERFORM pg_advisory_xact_lock(
         :ordering_lock_class,
-        (get_byte(digest, 0) * 256 + get_byte(digest, 1)) % :ordering_lock_buckets
+        mod(get_byte(digest, 0) * 256 + get_byte(digest, 1), :ordering_lock_buckets)
     );
     NEW.seq := nextval(pg_get_serial_sequence('outbox', 'seq'));
     -- Behind a head that waits for a retry, a new event waits at least as long: it could not

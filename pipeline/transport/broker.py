@@ -188,8 +188,8 @@ class WakeableRedisConsumer(_RedisConsumer):
 
         Something pushed a bare value (not a Dramatiq message) on the queue; the fetch
         moved it to this worker's un-acked set, where it would sit until the worker dies
-        and then come back. Its raw value goes to the sink (a consume-stage dead letter)
-        and one line is logged, without the value. If the sink fails, the value goes back
+        and then come back. Its raw value goes to the sink (a consume-stage dead letter;
+        the sink logs one line, without the value). If the sink fails, the value goes back
         to the un-acked set (requeued when this worker stops) rather than being lost.
         """
         broker = self.broker
@@ -205,11 +205,6 @@ class WakeableRedisConsumer(_RedisConsumer):
                     "it returns to the queue when this worker stops",
                     extra={"queue": self.queue_name, "error_class": type(exc).__name__},
                 )
-                continue
-            log.error(
-                "dead-lettered a value found on the queue that is not a Dramatiq message",
-                extra={"queue": self.queue_name, "size_bytes": len(value)},
-            )
 
     def _discard_undecodable(self, data: bytes, reason: str) -> None:
         """Hand the raw bytes to the sink, then remove them from Redis (they can never run)."""

@@ -269,9 +269,13 @@ def test_relay_outlasts_immediate_restarts_and_a_postgres_outage(
             time.sleep(2.0)
             assert process.poll() is None, log.read_text()[-4000:]
             produce_and_wait(10)
+        mark = log.stat().st_size
         immediate_stop(server)  # an outage long enough for several backoff steps
-        wait_until(lambda: len(lines(log, "next try in")) >= 4, timeout=60)
+        wait_until(lambda: len(lines(log, "relay waiting", since=mark)) >= 5, timeout=60)
         assert process.poll() is None, log.read_text()[-4000:]
+        outage = lines(log, "relay waiting", since=mark)
+        assert_backoff_steps(outage, minimum=5)
+        assert all("Connection refused" in line for line in outage[1:]), outage
         server.start()
         time.sleep(2.0)
         assert process.poll() is None, log.read_text()[-4000:]
@@ -313,7 +317,8 @@ def test_worker_waits_for_redis_at_start_and_rides_out_an_outage(
         wait_until(lambda: len(lines(log, "next try in", since=mark)) >= 4, timeout=60)
         assert process.poll() is None
         running = lines(log, "next try in", since=mark)
-        assert all("Redis" in line and "Connection refused" in line for line in running)
+        assert all("Redis unreachable" in line for line in running), running
+        assert all("Connection refused" in line for line in running[1:]), running  # [0]: reset
         assert_backoff_steps(running)
         absent_redis.start()  # same port, empty (no persistence)
         produce(engine, [NewEvent("entry.booked", {"order_id": "second"})])

@@ -33,7 +33,10 @@ def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         ({"PIPELINE_BATCH_SIZE": "0"}, "PIPELINE_BATCH_SIZE: Input should be greater than 0"),
         ({"PIPELINE_SCHEMA_NAME": "Bad-Name"}, "PIPELINE_SCHEMA_NAME: use 1-63"),
         ({"PIPELINE_REDIS_URL": "http://x"}, "PIPELINE_REDIS_URL: must start with"),
-        ({"PIPELINE_DATABASE_URL": "mysql://x"}, "PIPELINE_DATABASE_URL: must start with postgresql://"),
+        (
+            {"PIPELINE_DATABASE_URL": "mysql://x"},
+            "PIPELINE_DATABASE_URL: must start with postgresql://",
+        ),
         ({"PIPELINE_LOG_FORMAT": "xml"}, "PIPELINE_LOG_FORMAT"),
         (
             {"PIPELINE_WORKER_TIMEOUT_MS": "5000"},
@@ -221,6 +224,7 @@ def test_a_lower_bound_above_its_upper_bound_is_refused(low, high):
         (["demo", "--events", "0"], ["--events", "x>=1"]),
         (["demo", "--duplicates", "2"], ["--duplicates", "0<=x<=1"]),
         (["relay", "--bogus"], ["No such option '--bogus'"]),
+        (["demo", "--api-url", "localhost:8000"], ["--api-url", "http:// or https:// URL"]),
     ],
 )
 def test_a_bad_argument_is_one_line_naming_the_option(args, needles):
