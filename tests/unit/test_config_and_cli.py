@@ -150,6 +150,8 @@ BAD_VALUES = {
     "log_level": "LOUD",
     "trace_ui_url": "jaeger.local:16686/{span}",
     "canary_interval": "-1",
+    "redelivery_horizon_seconds": "0",
+    "reconcile_interval_seconds": "soon",
     "sent_retention_seconds": "0",
 }
 
