@@ -1,13 +1,14 @@
 """The ``pipeline`` command line.
 
 Expected failures (:class:`PipelineError`) print one line on stderr and exit 1;
-usage errors exit 2 (click's convention). Tracebacks are kept for real bugs.
+usage errors (a bad option or argument) print one line naming it and exit 2 (click's
+convention). Tracebacks are kept for real bugs.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import click
@@ -129,40 +130,60 @@ def relay(
     metrics_port: int | None,
     state_metrics: bool,
 ) -> None:
-    """Wake on NOTIFY (with a polling fallback) and publish due outbox events."""
-    import signal
+    """Wake on NOTIFY (with a polling fallback) and publish due outbox events.
+
+    Started before Postgres, Redis or `pipeline db upgrade`, it waits for them (one log
+    line per try); once running, it rides out their outages the same way.
+    """
+    import threading
 
     from pipeline.db.privileges import relay_grants
+    from pipeline.observability.logging import configure_logging
     from pipeline.observability.tracing import configure_tracing, shutdown_tracing
+    from pipeline.readiness import wait_for_services
     from pipeline.relay.relay import Relay
     from pipeline.runtime import build_runtime
 
     settings = _with_apps(_settings(ctx), apps)
-    grants = relay_grants(publishing=mode != "workers", canary=settings.canary_interval > 0)
-    _check_database(settings, grants, "pipeline relay")
-    runtime = build_runtime(settings)
-    server = Relay(
-        settings,
-        runtime.registry,
-        runtime.publisher,
-        mode=mode,  # type: ignore[arg-type]
-        listen=not no_listen,
-        dispatch=runtime.dispatcher,
-    )
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: server.shutdown())
-    from pipeline.observability.logging import configure_logging
-
+    settings.require_database_url()
+    runtime = build_runtime(settings)  # import errors and bad settings: one line, here
     configure_logging(settings)
-    configure_tracing(settings, "pipeline-relay")
-    endpoint = _relay_metrics(settings, runtime, metrics_port, state_metrics)
+    stop = threading.Event()
+    _stop_on_signals(stop.set)
     try:
-        server.run()
+        if not wait_for_services(settings, redis_needed=True, stop=stop, role="relay"):
+            return
+        grants = relay_grants(publishing=mode != "workers", canary=settings.canary_interval > 0)
+        _check_database(settings, grants, "pipeline relay")
+        server = Relay(
+            settings,
+            runtime.registry,
+            runtime.publisher,
+            mode=mode,  # type: ignore[arg-type]
+            listen=not no_listen,
+            dispatch=runtime.dispatcher,
+        )
+        _stop_on_signals(server.shutdown)
+        if stop.is_set():  # a signal came between the wait and the handler above
+            return
+        configure_tracing(settings, "pipeline-relay")
+        endpoint = _relay_metrics(settings, runtime, metrics_port, state_metrics)
+        try:
+            server.run()
+        finally:
+            if endpoint is not None:
+                endpoint.close()
+            shutdown_tracing()
     finally:
-        if endpoint is not None:
-            endpoint.close()
         runtime.close()
-        shutdown_tracing()
+
+
+def _stop_on_signals(stop: Callable[[], None]) -> None:
+    """SIGTERM and SIGINT call ``stop`` (a graceful stop, exit code 0)."""
+    import signal
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop())
 
 
 def _relay_metrics(
@@ -193,8 +214,8 @@ def _relay_metrics(
 
 
 @cli.command(context_settings={"ignore_unknown_options": True})
-@click.option("--processes", "-p", type=int, default=2, show_default=True)
-@click.option("--threads", "-t", type=int, default=8, show_default=True)
+@click.option("--processes", "-p", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--threads", "-t", type=click.IntRange(min=1), default=8, show_default=True)
 @click.option("--queues", "-Q", multiple=True, help="Only consume these queues.")
 @click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
 @click.option(
@@ -220,25 +241,29 @@ def worker(
 
     This process supervises dramatiq and serves the metrics of all its worker processes
     (prometheus_client multiprocess mode); stop it with SIGTERM. Extra arguments are
-    passed to the dramatiq command line.
+    passed to the dramatiq command line. Started before Postgres, Redis or `pipeline db
+    upgrade`, it waits for them (one log line per try) before starting dramatiq.
     """
     import os
+    import threading
 
     from pipeline.db.privileges import worker_grants
+    from pipeline.observability.logging import configure_logging
+    from pipeline.readiness import wait_for_services
     from pipeline.registry import validate_queue_name
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.runtime import build_runtime
 
     settings = _with_apps(_settings(ctx), apps)
     settings.require_redis_url()
+    settings.require_database_url()
     for queue in queues:
         validate_queue_name(queue)
-    publishing = not queues or PUBLISH_QUEUE_NAME in queues
-    _check_database(settings, worker_grants(publishing=publishing), "pipeline worker")
-    build_runtime(settings).close()  # import errors and bad settings: one line, here
-    env = dict(os.environ)
-    env["PIPELINE_APP_MODULES"] = settings.app_modules
-    env["dramatiq_worker_timeout"] = str(settings.worker_timeout_ms)
+    runtime = build_runtime(settings)  # import errors and bad settings: one line, here
+    try:
+        _check_queues(queues, runtime.broker.get_declared_queues())
+    finally:
+        runtime.close()
     argv = [
         sys.executable,
         "-m",
@@ -251,17 +276,64 @@ def worker(
     ]
     for queue in queues:
         argv += ["--queues", queue]
-    argv += list(dramatiq_args)
+    argv += _checked_dramatiq_args(dramatiq_args)
+    configure_logging(settings)
+    stop = threading.Event()
+    _stop_on_signals(stop.set)
+    if not wait_for_services(settings, redis_needed=True, stop=stop, role="worker"):
+        return
+    publishing = not queues or PUBLISH_QUEUE_NAME in queues
+    _check_database(settings, worker_grants(publishing=publishing), "pipeline worker")
+    env = dict(os.environ)
+    env["PIPELINE_APP_MODULES"] = settings.app_modules
+    env["dramatiq_worker_timeout"] = str(settings.worker_timeout_ms)
     from pipeline.observability.metrics import MULTIPROC_ENV, metrics_port
 
     port = metrics_port(settings, "worker") if metrics_port_option is None else metrics_port_option
     if port == 0 and not env.get(MULTIPROC_ENV):
         os.execve(sys.executable, argv, env)  # noqa: S606 - replace this process with dramatiq
-    from pipeline.observability.logging import configure_logging
     from pipeline.observability.workers import run_dramatiq_with_metrics
 
-    configure_logging(settings)
     ctx.exit(run_dramatiq_with_metrics(argv, env, settings, port))
+
+
+def _check_queues(wanted: tuple[str, ...], declared: set[str]) -> None:
+    known = declared | {f"{name}.DQ" for name in declared}
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        raise click.BadParameter(
+            f"{', '.join(map(repr, unknown))} is not a queue of this worker; "
+            f"expected one of {', '.join(sorted(declared))}",
+            param_hint="'--queues' / '-Q'",
+        )
+
+
+def _checked_dramatiq_args(args: tuple[str, ...]) -> list[str]:
+    """The extra arguments, checked with dramatiq's own parser before anything starts."""
+    import argparse
+    import importlib.util
+
+    from dramatiq.cli import make_argument_parser
+
+    parser = make_argument_parser()  # type: ignore[no-untyped-call]
+    parser.exit_on_error = False
+    try:
+        parsed, unknown = parser.parse_known_args(["pipeline.worker", *args])
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise click.UsageError(f"bad dramatiq argument: {exc}") from None
+    if unknown:
+        raise click.UsageError(
+            f"no such option: {' '.join(unknown)} (not a pipeline worker or dramatiq option; "
+            "see `dramatiq --help`)"
+        )
+    for module in parsed.modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise click.UsageError(f"extra argument {module!r} is not an importable module")
+    return list(args)
 
 
 @cli.command()
@@ -330,14 +402,14 @@ def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
     import uuid
 
     from pipeline.admin.lineage import load_lineage, render
-    from pipeline.db.connect import connect
+    from pipeline.db.connect import connect, readable_psycopg_errors
 
     try:
         wanted = uuid.UUID(event_id)
     except ValueError:
         raise click.BadParameter(f"{event_id!r} is not an event id (a UUID)") from None
     settings = _settings(ctx)
-    with connect(settings) as conn:
+    with connect(settings) as conn, readable_psycopg_errors(settings):
         lineage = load_lineage(
             conn, settings.schema_name, wanted, horizon=settings.redelivery_horizon_seconds
         )
@@ -353,6 +425,10 @@ def main(argv: list[str] | None = None) -> None:
         result: Any = cli.main(args=argv, prog_name="pipeline", standalone_mode=False)
         sys.exit(result if isinstance(result, int) else 0)
     except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:
+        command = exc.ctx.command_path if exc.ctx is not None else "pipeline"
+        click.echo(f"{command}: error: {exc.format_message()} (see `{command} --help`)", err=True)
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()

@@ -8,18 +8,37 @@ import time, so tests and embedding applications can pass their own
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from functools import lru_cache
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from pipeline.errors import ConfigurationError
 
 ENV_PREFIX = "PIPELINE_"
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+EVENT_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
+_MODULE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_HOST = re.compile(r"^[A-Za-z0-9._:%\[\]-]+$")
+# (lower, upper) settings that bound one range: the lower may not exceed the upper.
+BOUNDS = (
+    ("poll_interval_min", "poll_interval_max"),
+    ("poll_interval_busy", "poll_interval_max"),
+    ("publish_backoff_base", "publish_backoff_max"),
+    ("consumer_backoff_min", "consumer_backoff_max"),
+)
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -98,7 +117,7 @@ class Settings(BaseSettings):
 
     # Producer
     max_payload_bytes: PositiveInt = 256 * 1024
-    unordered_event_types: frozenset[str] = frozenset()
+    unordered_event_types: Annotated[frozenset[str], NoDecode] = frozenset()
 
     # Relay and publishing
     batch_size: PositiveInt = 500
@@ -147,6 +166,83 @@ class Settings(BaseSettings):
         if not _IDENTIFIER.fullmatch(value):
             raise ValueError("use 1-63 characters of a-z, 0-9 and _, not starting with a digit")
         return value
+
+    @field_validator("app_modules")
+    @classmethod
+    def _module_names(cls, value: str) -> str:
+        for name in (part.strip() for part in value.split(",")):
+            if name and not _MODULE.match(name):
+                raise ValueError(
+                    f"{name!r} is not a module name: expected comma-separated dotted Python "
+                    "module names, e.g. myapp.consumers"
+                )
+        return value
+
+    @field_validator("unordered_event_types", mode="before")
+    @classmethod
+    def _event_type_list(cls, value: Any) -> Any:
+        """Comma-separated (``a.b,c.d``) or a JSON list (``["a.b"]``); each a valid event type."""
+        expected = (
+            "expected comma-separated event types or a JSON list of event types, "
+            "e.g. order.placed,order.paid"
+        )
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                try:
+                    value = json.loads(text)
+                except ValueError:
+                    raise ValueError(f"not valid JSON: {expected}") from None
+            else:
+                value = [part.strip() for part in text.split(",") if part.strip()]
+        if not isinstance(value, list | tuple | set | frozenset) or not all(
+            isinstance(item, str) and EVENT_TYPE.match(item) for item in value
+        ):
+            raise ValueError(expected)
+        return frozenset(value)
+
+    @field_validator("log_format", "log_level", mode="before")
+    @classmethod
+    def _any_case(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, str):
+            return value.strip().upper() if info.field_name == "log_level" else value.lower()
+        return value
+
+    @field_validator("metrics_host")
+    @classmethod
+    def _bind_address(cls, value: str) -> str:
+        if not _HOST.match(value):
+            raise ValueError("expected a host name or IP address to bind, e.g. 127.0.0.1")
+        return value
+
+    @field_validator("metrics_multiproc_dir")
+    @classmethod
+    def _directory(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        if os.path.exists(value) and not os.path.isdir(value):
+            raise ValueError("expected a directory (created if missing); this path is a file")
+        return value
+
+    @field_validator("trace_ui_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError(
+                "expected an http:// or https:// URL, optionally with {trace_id}, "
+                "e.g. http://localhost:16686/trace/{trace_id}"
+            )
+        return value or None
+
+    @model_validator(mode="after")
+    def _ranges(self) -> Self:
+        for low, high in BOUNDS:
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(
+                    f"{ENV_PREFIX}{low.upper()} ({getattr(self, low)}) must not exceed "
+                    f"{ENV_PREFIX}{high.upper()} ({getattr(self, high)})"
+                )
+        return self
 
     @field_validator("database_url")
     @classmethod
@@ -223,17 +319,25 @@ def libpq_url(url: str) -> str:
     return f"{scheme}://{rest}"
 
 
+_PARSE_FAILURE = re.compile(r'field "(\w+)"')
+
+
 def load_settings(**overrides: object) -> Settings:
     """Read settings from the environment; invalid values raise one clear error line."""
     try:
         return Settings(**overrides)  # type: ignore[arg-type]
     except ValidationError as exc:
-        first = exc.errors()[0]
-        field = str(first["loc"][0]) if first["loc"] else "?"
-        raise ConfigurationError(
-            f"{ENV_PREFIX}{field.upper()}: {first['msg']}"
-            + (f" ({len(exc.errors()) - 1} more invalid settings)" if len(exc.errors()) > 1 else "")
-        ) from None
+        errors = exc.errors()
+        first = errors[0]
+        message = str(first["msg"]).removeprefix("Value error, ")
+        if first["loc"]:  # a field's own check; cross-field checks name their variables
+            message = f"{ENV_PREFIX}{str(first['loc'][0]).upper()}: {message}"
+        more = f" ({len(errors) - 1} more invalid settings)" if len(errors) > 1 else ""
+        raise ConfigurationError(message + more) from None
+    except SettingsError as exc:  # a value the environment source could not even parse
+        found = _PARSE_FAILURE.search(str(exc))
+        name = f"{ENV_PREFIX}{found.group(1).upper()}" if found else "a PIPELINE_* variable"
+        raise ConfigurationError(f"{name}: cannot parse the value") from None
 
 
 @lru_cache(maxsize=1)

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from pipeline.config import Settings, get_settings
 from pipeline.db.connect import permission_denied
+from pipeline.db.ordering import ordering_lock_bucket
 from pipeline.db.queries import queries_for
 from pipeline.errors import EventValidationError, PermissionDeniedError
 from pipeline.ids import uuid7
@@ -156,15 +157,18 @@ def prepare_rows(events: Sequence[NewEvent], settings: Settings) -> list[dict[st
 
 
 def insertion_order(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rows stably sorted by ordering key, the order in which the insert takes key locks.
+    """Rows stably sorted by their key's lock, the order in which the insert takes the locks.
 
-    The insert trigger locks each ordering key (on a 64-bit hash of it); taking the locks
-    in one fixed order keeps two concurrent batches from deadlocking each other. Each key
-    keeps its events' order.
+    The insert trigger locks each ordering key's bucket (:mod:`pipeline.db.ordering`);
+    taking the locks in ascending order keeps two concurrent batches from deadlocking each
+    other. Each key keeps its events' order.
     """
-    return sorted(
-        rows, key=lambda row: (row["ordering_key"] is not None, row["ordering_key"] or "")
-    )
+
+    def lock_order(row: dict[str, Any]) -> tuple[bool, int, str]:
+        key = row["ordering_key"]
+        return (key is not None, ordering_lock_bucket(key) if key is not None else 0, key or "")
+
+    return sorted(rows, key=lock_order)
 
 
 def _row(event: NewEvent, index: int, settings: Settings) -> dict[str, Any]:

@@ -50,7 +50,7 @@ def import_app_modules(names: list[str]) -> None:
             importlib.import_module(name)
         except (ImportError, TypeError, ValueError) as exc:  # ".x" and ".." raise TypeError
             raise ConfigurationError(
-                f"cannot import application module {name!r} (PIPELINE_APP_MODULES / --app): {exc}"
+                f"PIPELINE_APP_MODULES / --app: cannot import module {name!r}: {exc}"
             ) from None
 
 

@@ -28,7 +28,7 @@ from pipeline.admin.state import (
     redis_unavailable,
 )
 from pipeline.config import Settings
-from pipeline.db.connect import _describe, connect
+from pipeline.db.connect import connect, describe_server, driver_reason
 from pipeline.errors import ServiceUnavailableError
 
 
@@ -70,7 +70,7 @@ def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -
             relays = read_relays(conn, settings.schema_name)
         except psycopg.OperationalError as exc:
             raise ServiceUnavailableError(
-                f"cannot use Postgres at {_describe(url)}: {type(exc).__name__}"
+                f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
             ) from None
     depths: dict[str, QueueDepth] | None = None
     if settings.redis_url is not None:

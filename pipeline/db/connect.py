@@ -16,22 +16,21 @@ from sqlalchemy import Engine, create_engine
 from sqlalchemy.exc import OperationalError as SAOperationalError
 
 from pipeline.config import Settings, redact_secrets, redact_url
-from pipeline.errors import PermissionDeniedError, ServiceUnavailableError
+from pipeline.errors import (
+    ConfigurationError,
+    MigrationError,
+    PermissionDeniedError,
+    ServiceUnavailableError,
+)
 
 
-def _describe(url: str) -> str:
+def describe_server(url: str) -> str:
     try:
         info = psycopg.conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError:
         return redact_url(url)
     host = info.get("host") or "localhost"
     return f"{host}:{info.get('port') or 5432}/{info.get('dbname') or ''}"
-
-
-def _first_line(exc: BaseException, url: str = "") -> str:
-    text = str(exc).strip().splitlines()
-    line = text[-1] if text else type(exc).__name__
-    return redact_secrets(line, url) if url else line
 
 
 def permission_denied(exc: BaseException, hint: str = "") -> PermissionDeniedError | None:
@@ -49,16 +48,48 @@ def permission_denied(exc: BaseException, hint: str = "") -> PermissionDeniedErr
     )
 
 
+def driver_reason(exc: BaseException, url: str | None = None) -> str:
+    """The driver's message as one line: its own lines joined, hints and the password left out.
+
+    libpq indents its hints ("\tIs the server running…") under the line that matters
+    ("connection to server at "h", port 5432 failed: Connection refused"); those indented
+    lines, psycopg's "connection failed: " prefix and doubled spaces are dropped.
+    """
+    lines = [
+        " ".join(line.split())
+        for line in str(exc).splitlines()
+        if line.strip() and not line[:1].isspace()
+    ]
+    text = "; ".join(lines).removeprefix("connection failed: ") or type(exc).__name__
+    password = _password(url) if url else None
+    text = text.replace(password, "***") if password else text
+    return redact_secrets(text, url) if url else text
+
+
+def _password(url: str) -> str | None:
+    try:
+        password = psycopg.conninfo.conninfo_to_dict(url).get("password")
+        return str(password) if password else None
+    except psycopg.ProgrammingError:
+        return None
+
+
 def connect(
-    settings: Settings, *, autocommit: bool = False, **kwargs: Any
+    settings: Settings, *, autocommit: bool = False, connect_timeout: int = 10, **kwargs: Any
 ) -> psycopg.Connection[Any]:
     """A psycopg connection to the configured database."""
     url = settings.require_database_url()
     try:
-        return psycopg.connect(url, autocommit=autocommit, connect_timeout=10, **kwargs)
+        return psycopg.connect(
+            url, autocommit=autocommit, connect_timeout=connect_timeout, **kwargs
+        )
     except psycopg.OperationalError as exc:
         raise ServiceUnavailableError(
-            f"cannot connect to Postgres at {_describe(url)}: {_first_line(exc, url)}"
+            f"cannot connect to Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
+        ) from None
+    except psycopg.ProgrammingError as exc:  # a URL libpq cannot parse
+        raise ConfigurationError(
+            f"PIPELINE_DATABASE_URL: not a valid Postgres URL ({driver_reason(exc, url)})"
         ) from None
 
 
@@ -75,5 +106,26 @@ def readable_database_errors(settings: Settings) -> Iterator[None]:
     except SAOperationalError as exc:
         url = settings.require_database_url()
         raise ServiceUnavailableError(
-            f"cannot use Postgres at {_describe(url)}: {_first_line(exc.orig or exc, url)}"
+            f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc.orig or exc, url)}"
+        ) from None
+
+
+SCHEMA_MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
+
+
+def schema_missing_message(schema: str) -> str:
+    return f"the pipeline schema {schema!r} is not installed: run `pipeline db upgrade`"
+
+
+@contextmanager
+def readable_psycopg_errors(settings: Settings) -> Iterator[None]:
+    """One-shot commands: a lost server or a missing schema becomes one clear error line."""
+    try:
+        yield
+    except SCHEMA_MISSING:
+        raise MigrationError(schema_missing_message(settings.schema_name)) from None
+    except psycopg.OperationalError as exc:
+        url = settings.require_database_url()
+        raise ServiceUnavailableError(
+            f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
         ) from None

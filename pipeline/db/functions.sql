@@ -1,7 +1,9 @@
 -- Repeatable objects (functions and triggers), re-applied whenever this file changes.
--- Runs with search_path set to the pipeline schema; :channel is the NOTIFY channel and
--- :schema the quoted schema name. Every function pins its search_path to the schema and
--- then pg_temp, so that no temporary table of the caller can stand in for a pipeline table.
+-- Runs with search_path set to the pipeline schema. Placeholders filled in by migrate.py:
+-- :channel the NOTIFY channel, :schema the quoted schema name, and the ordering locks' class
+-- and bucket count (pipeline/db/ordering.py). Every function pins its search_path to the
+-- schema and then pg_temp, so that no temporary table of the caller can stand in for a
+-- pipeline table.
 
 -- Wake the relay after an outbox insert, but only while no relay is busy: a busy relay
 -- polls continuously, and skipping NOTIFY spares producers its database-wide commit lock.
@@ -24,11 +26,13 @@ BEGIN
 END
 $$;
 
--- Number ordered events under a per-key transaction lock, so that within one ordering key
--- sequence order is commit order: a committed event never has a higher seq than an event
+-- Number ordered events under a transaction lock of their key, so that within one ordering
+-- key sequence order is commit order: a committed event never has a higher seq than an event
 -- of its key that is still to commit, and the relay can publish a key in seq order as soon
 -- as its events are visible. Concurrent producers of one key queue here, as they would on
--- the aggregate's row lock.
+-- the aggregate's row lock. Keys share :ordering_lock_buckets locks (a bucket from the
+-- SHA-256 of the key's UTF-8 bytes; pipeline/db/ordering.py computes the same), so a
+-- transaction holds at most that many advisory locks however many keys it writes.
 -- enable_seqscan is off inside: PL/pgSQL caches the lookup's plan per connection, and a
 -- plan made while the outbox looked empty (after a TRUNCATE, a fresh install, a VACUUM)
 -- would otherwise scan every unsent row on each insert for the life of the connection.
@@ -43,8 +47,13 @@ SECURITY DEFINER
 SET search_path = :schema, pg_temp
 SET enable_seqscan = off
 AS $$
+DECLARE
+    digest bytea := sha256(convert_to(NEW.ordering_key, 'UTF8'));
 BEGIN
-    PERFORM pg_advisory_xact_lock(hashtextextended(NEW.ordering_key, 1885958245));
+    PERFORM pg_advisory_xact_lock(
+        :ordering_lock_class,
+        mod(get_byte(digest, 0) * 256 + get_byte(digest, 1), :ordering_lock_buckets)
+    );
     NEW.seq := nextval(pg_get_serial_sequence('outbox', 'seq'));
     -- Behind a head that waits for a retry, a new event waits at least as long: it could not
     -- be published earlier anyway, and not being due keeps it out of the claim's scan window,

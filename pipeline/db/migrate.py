@@ -19,6 +19,7 @@ from psycopg import sql
 from sqlalchemy import Connection, text
 
 from pipeline.config import validate_identifier
+from pipeline.db.ordering import ORDERING_LOCK_BUCKETS, ORDERING_LOCK_CLASS
 from pipeline.errors import MigrationError
 
 FUNCTIONS_VERSION = 0  # the version-table row that records functions.sql's checksum
@@ -56,8 +57,13 @@ def notify_channel(schema: str) -> str:
 def functions_sql(schema: str) -> str:
     """The repeatable functions and triggers for ``schema``, ready to execute."""
     channel = sql.Literal(notify_channel(schema)).as_string()
-    body = _package_sql("functions.sql").replace(":channel", channel)
-    return body.replace(":schema", _quoted(schema))
+    return (
+        _package_sql("functions.sql")
+        .replace(":channel", channel)
+        .replace(":ordering_lock_class", str(ORDERING_LOCK_CLASS))
+        .replace(":ordering_lock_buckets", str(ORDERING_LOCK_BUCKETS))
+        .replace(":schema", _quoted(schema))
+    )
 
 
 def _quoted(schema: str) -> str:

@@ -48,6 +48,10 @@ RELAY: Grants = {
     "relay_state": frozenset({"SELECT", "INSERT", "UPDATE", "DELETE"}),
 }
 CANARY: Grants = {"outbox": frozenset({"INSERT"})}  # the relay commits heartbeat events
+STARTUP: Grants = {
+    # relays and workers wait at start-up until this version's migrations are applied
+    "schema_migrations": frozenset({"SELECT"}),
+}
 CONSUMING: Grants = {
     "inbox": frozenset({"SELECT", "INSERT", "UPDATE"}),  # claims, failures, order checks
     "attempts": frozenset({"INSERT"}),  # failed handler attempts
@@ -67,12 +71,12 @@ def combine(*parts: Grants) -> dict[str, frozenset[str]]:
 
 def relay_grants(*, publishing: bool, canary: bool) -> dict[str, frozenset[str]]:
     """What ``pipeline relay`` needs (``publishing`` is false in ``--mode workers``)."""
-    return combine(RELAY, PUBLISHING if publishing else {}, CANARY if canary else {})
+    return combine(STARTUP, RELAY, PUBLISHING if publishing else {}, CANARY if canary else {})
 
 
 def worker_grants(*, publishing: bool) -> dict[str, frozenset[str]]:
     """What ``pipeline worker`` needs (``publishing``: it consumes the publishing queue)."""
-    return combine(CONSUMING, PUBLISHING if publishing else {})
+    return combine(STARTUP, CONSUMING, PUBLISHING if publishing else {})
 
 
 def missing_privileges(

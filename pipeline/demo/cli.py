@@ -6,6 +6,12 @@ from __future__ import annotations
 import click
 
 
+def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise click.BadParameter("expected an http:// or https:// URL")
+    return value
+
+
 @click.command()
 @click.option(
     "--events",
@@ -81,11 +87,15 @@ import click
     "PIPELINE_DATABASE_URL, PIPELINE_REDIS_URL and --api-url.",
 )
 @click.option(
-    "--api-url", default=None, help="Use this payment/e-mail API instead of starting one."
+    "--api-url",
+    default=None,
+    callback=_http_url,
+    help="Use this payment/e-mail API instead of starting one.",
 )
 @click.option(
     "--worker-metrics-url",
     default=None,
+    callback=_http_url,
     help="With --external: the workers' /metrics URL, to count the duplicates they absorbed.",
 )
 @click.option(

@@ -38,6 +38,7 @@ from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
 from pipeline.config import Settings
+from pipeline.errors import ConfigurationError
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -242,10 +243,16 @@ def prepare_multiprocess_dir(settings: Settings) -> Path:
     otherwise be added to the new run's counters.
     """
     given = settings.metrics_multiproc_dir or os.environ.get(MULTIPROC_ENV)
-    path = Path(given) if given else Path(tempfile.mkdtemp(prefix="pipeline-metrics-"))
-    path.mkdir(parents=True, exist_ok=True)
-    for stale in path.glob("*.db"):
-        stale.unlink(missing_ok=True)
+    try:
+        path = Path(given) if given else Path(tempfile.mkdtemp(prefix="pipeline-metrics-"))
+        path.mkdir(parents=True, exist_ok=True)
+        for stale in path.glob("*.db"):
+            stale.unlink(missing_ok=True)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"PIPELINE_METRICS_MULTIPROC_DIR / {MULTIPROC_ENV}: cannot use {given or 'a temp dir'}"
+            f" as the workers' metrics directory: {exc.strerror or exc}"
+        ) from None
     os.environ[MULTIPROC_ENV] = str(path)
     return path
 

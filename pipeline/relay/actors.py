@@ -17,12 +17,13 @@ import uuid
 from typing import Any
 
 import dramatiq
+import redis
 
 from pipeline.config import Settings
 from pipeline.db.connect import connect
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
-from pipeline.transport.publisher import Publisher
+from pipeline.transport.publisher import Publisher, PublisherUnavailable
 
 log = logging.getLogger("pipeline.relay.actors")
 
@@ -60,14 +61,18 @@ class PublishingDispatcher:
         self._acquire = broker.client.register_script(_ACQUIRE_SLOTS)
 
     def __call__(self) -> int:
+        """Send actors for the free slots; a Redis failure raises :class:`PublisherUnavailable`."""
         now = time.time()
         candidates = [uuid.uuid4().hex for _ in range(self.settings.publishers_in_flight)]
-        slots = self._acquire(
-            keys=[self.key],
-            args=[now, now + self.slot_ttl, self.settings.publishers_in_flight, *candidates],
-        )
-        for slot in slots:
-            self.actor.send(slot.decode() if isinstance(slot, bytes) else slot)
+        try:
+            slots = self._acquire(
+                keys=[self.key],
+                args=[now, now + self.slot_ttl, self.settings.publishers_in_flight, *candidates],
+            )
+            for slot in slots:
+                self.actor.send(slot.decode() if isinstance(slot, bytes) else slot)
+        except redis.RedisError as exc:
+            raise PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
         return len(slots)
 
 

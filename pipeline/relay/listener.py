@@ -18,6 +18,8 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
+from pipeline.backoff import Backoff
+from pipeline.db.connect import describe_server, driver_reason
 from pipeline.observability import metrics
 
 log = logging.getLogger("pipeline.relay.listener")
@@ -46,17 +48,16 @@ class Listener(threading.Thread):
         self._conn: psycopg.Connection[Any] | None = None
 
     def run(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1, self.backoff_max)
         while not self.stop_event.is_set():
             try:
-                self._listen()
-                delay = 0.1
+                self._listen(backoff)
             except psycopg.Error as exc:
-                self._lost(exc)
+                delay = backoff.next_delay()
+                self._lost(exc, delay)
                 self.stop_event.wait(delay)
-                delay = min(delay * 2, self.backoff_max)
 
-    def _listen(self) -> None:
+    def _listen(self, backoff: Backoff) -> None:
         conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
         if not conn.autocommit:  # pragma: no cover - guarded for custom connection factories
             raise RuntimeError("LISTEN needs an autocommit connection")
@@ -68,6 +69,7 @@ class Listener(threading.Thread):
                 metrics.relay_listener_reconnects.inc()
                 log.warning("LISTEN connection re-established", extra={"channel": self.channel})
             self.connected.set()
+            backoff.reset()
             metrics.relay_listener_connected.set(1)
             self.wake("reconnect")
             last_check = time.monotonic()
@@ -83,10 +85,11 @@ class Listener(threading.Thread):
             metrics.relay_listener_connected.set(0)
             conn.close()
 
-    def _lost(self, exc: BaseException) -> None:
+    def _lost(self, exc: BaseException, delay: float) -> None:
         if not self.stop_event.is_set():
             log.warning(
-                "LISTEN connection lost; reconnecting",
+                f"LISTEN connection to Postgres at {describe_server(self.url)} lost: "
+                f"{driver_reason(exc, self.url)}; next try in {delay:.1f}s",
                 extra={"channel": self.channel, "error_class": type(exc).__name__},
             )
 

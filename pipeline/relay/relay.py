@@ -33,10 +33,18 @@ from typing import Any, Literal
 
 import psycopg
 
+from pipeline.backoff import Backoff
 from pipeline.config import Settings
-from pipeline.db.connect import connect
+from pipeline.db.connect import (
+    SCHEMA_MISSING,
+    connect,
+    describe_server,
+    driver_reason,
+    schema_missing_message,
+)
 from pipeline.db.migrate import notify_channel
 from pipeline.db.queries import queries_for
+from pipeline.errors import ServiceUnavailableError
 from pipeline.observability import metrics
 from pipeline.registry import Registry
 from pipeline.relay.canary import emit_canary
@@ -49,6 +57,16 @@ log = logging.getLogger("pipeline.relay")
 Mode = Literal["auto", "inline", "workers"]
 HEARTBEAT_INTERVAL = 1.0
 HANDOFF_LIMIT = 2.0
+FIRST_RETRY = 0.1
+# Failures the relay waits out (logging each backoff step) instead of exiting: Postgres or
+# the broker down, restarting, failing over, or the schema not installed yet.
+OUTAGES = (
+    psycopg.OperationalError,
+    psycopg.errors.ReadOnlySqlTransaction,
+    *SCHEMA_MISSING,
+    ServiceUnavailableError,
+    PublisherUnavailable,
+)
 
 
 class Waker:
@@ -134,10 +152,16 @@ class Relay:
         self._next_canary = 0.0  # the first canary goes out at start-up
         self.ledger = DeliveryLedger(settings, registry, publisher)
         self._next_sweep = 0.0
+        self._backoff = Backoff(FIRST_RETRY, settings.reconnect_backoff_max)
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
-        """Serve until :meth:`shutdown`; database outages are retried, never fatal."""
+        """Serve until :meth:`shutdown`; outages of Postgres or the broker are waited out.
+
+        Each failed try logs one line with the reason and the wait before the next; the
+        waits double up to ``reconnect_backoff_max`` and start again small once a cycle
+        succeeds.
+        """
         if self.listen:
             self.listener = Listener(
                 self.settings.require_database_url(),
@@ -148,27 +172,34 @@ class Relay:
             )
             self.listener.start()
         log.info("relay started", extra={"relay_id": self.relay_id, "mode": self.mode})
-        delay = 0.1
         try:
             while not self.stop.is_set():
                 try:
                     self._serve()
-                except (psycopg.OperationalError, PublisherUnavailable) as exc:
+                except OUTAGES as exc:
+                    if not isinstance(exc, PublisherUnavailable):
+                        self._close_connection()
+                    delay = self._backoff.next_delay()
                     log.warning(
-                        "relay cannot reach Postgres or the broker; retrying",
+                        f"relay waiting: {self._outage(exc)}; next try in {delay:.1f}s",
                         extra={"error_class": type(exc).__name__, "retry_in": delay},
                     )
-                    self._close_connection()
                     self.stop.wait(delay)
-                    delay = min(delay * 2, self.settings.reconnect_backoff_max)
-                else:
-                    delay = 0.1
         finally:
             self._forget()
             self._close_connection()
             if self.listener is not None:
                 self.listener.join(timeout=5)
             log.info("relay stopped", extra={"relay_id": self.relay_id})
+
+    def _outage(self, exc: BaseException) -> str:
+        """Why the relay cannot work, in one line without secrets."""
+        if isinstance(exc, PublisherUnavailable | ServiceUnavailableError):
+            return str(exc)
+        if isinstance(exc, SCHEMA_MISSING):
+            return schema_missing_message(self.settings.schema_name)
+        url = self.settings.require_database_url()
+        return f"lost Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
 
     def shutdown(self) -> None:
         self.stop.set()
@@ -196,6 +227,8 @@ class Relay:
             metrics.relay_wakeups.labels(source).inc()
             self.cycles += 1
             found, backlog = self._cycle(drainer)
+            if self._backoff.reset():
+                log.info("relay recovered: publishing again", extra={"relay_id": self.relay_id})
             if rule.busy_after(waited, found, backlog, self.busy):
                 self._set_busy(conn, True)  # also refreshes a busy relay's heartbeat
             if found:

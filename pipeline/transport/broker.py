@@ -11,14 +11,17 @@ maintenance carry no wake-up) and keeps the heartbeat fresh. One wake-up wakes o
 consumer; one whose fetch came back full passes a wake-up on, so others join in on a
 backlog.
 
-Undecodable messages are handed to :attr:`PipelineRedisBroker.undecodable_sink` and
-removed, instead of being stuck in the consumer's un-acked set.
+Undecodable messages, and bare values pushed on a queue by something other than a
+Dramatiq client, are handed to :attr:`PipelineRedisBroker.undecodable_sink` and
+removed, instead of being stuck in the consumer's un-acked set. While Redis is down a
+worker process waits with growing pauses, logging one line per pause (:class:`RedisOutage`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
@@ -28,7 +31,7 @@ import redis
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
 from dramatiq.common import compute_backoff, current_millis
-from dramatiq.errors import ConnectionClosed, DecodeError
+from dramatiq.errors import DecodeError
 from dramatiq.message import Message
 from dramatiq.middleware import (
     AgeLimit,
@@ -39,6 +42,7 @@ from dramatiq.middleware import (
     TimeLimit,
 )
 
+from pipeline.backoff import Backoff
 from pipeline.config import Settings
 
 log = logging.getLogger("pipeline.transport.broker")
@@ -55,19 +59,87 @@ def _log_undecodable(queue_name: str, data: bytes, reason: str) -> None:
     log.error("dropped undecodable message", extra={"queue": queue_name, "reason": reason})
 
 
+# KEYS[1] a consumer's un-acked set, KEYS[2] the queue's message bodies. Removes and returns
+# the members that have no body: values pushed on the queue by something other than a
+# Dramatiq client. Atomic, so a message being acked (set member and body removed together)
+# is never mistaken for one.
+_TAKE_BARE_VALUES = """
+local bare = {}
+for _, id in ipairs(redis.call('smembers', KEYS[1])) do
+    if redis.call('hexists', KEYS[2], id) == 0 then
+        redis.call('srem', KEYS[1], id)
+        table.insert(bare, id)
+    end
+end
+return bare
+"""
+BARE_VALUE_REASON = (
+    "a bare value on the queue, not a Dramatiq message (nothing was enqueued under it)"
+)
+
+
+class RedisOutage:
+    """A worker process's view of Redis being down, shared by all its consumers.
+
+    The first consumer to fail in a backoff step logs one line (the reason and the wait)
+    and sets when the next try is due; consumers stay off Redis until then. The first
+    fetch that succeeds again logs the recovery and resets the waits.
+    """
+
+    def __init__(self, first: float = 0.5, cap: float = 10.0) -> None:
+        self._lock = threading.Lock()
+        self._backoff = Backoff(first, cap)
+        self._next_try = 0.0
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next_try:
+                return  # another consumer already reported this step
+            delay = self._backoff.next_delay()
+            self._next_try = now + delay
+        log.warning(
+            f"Redis unreachable: {type(exc).__name__}: {exc}; next try in {delay:.1f}s",
+            extra={"error_class": type(exc).__name__, "retry_in": delay},
+        )
+
+    def pause(self) -> float:
+        """Seconds until the next try is due (0 when Redis is not known to be down)."""
+        return max(0.0, self._next_try - time.monotonic()) if self._backoff.failures else 0.0
+
+    def succeeded(self) -> None:
+        if not self._backoff.failures:
+            return
+        with self._lock:
+            recovered = self._backoff.reset()
+            self._next_try = 0.0
+        if recovered:
+            log.info("Redis reachable again: consuming")
+
+
 class WakeableRedisConsumer(_RedisConsumer):
-    """Dramatiq's Redis consumer, waking on a wake-up list instead of sleeping blind."""
+    """Dramatiq's Redis consumer, waking on a wake-up list instead of sleeping blind.
+
+    While Redis is down it waits out the broker's :class:`RedisOutage` (one log line per
+    backoff step for the whole process) instead of raising to Dramatiq, whose consumer
+    threads would each log a critical error and restart every three seconds.
+    """
 
     def __next__(self) -> Any:
+        outage: RedisOutage = self.broker.outage
+        pause = outage.pause()
+        if pause:  # short naps: the consumer thread must see a stop request promptly
+            time.sleep(min(pause, self.timeout / 1000))
+            return None
         try:
             while True:
                 try:
                     data = self.message_cache.pop(0)
                 except IndexError:
-                    if not self._fetch():
+                    fetched = self._fetch()
+                    outage.succeeded()
+                    if not fetched:
                         return None
-                    continue
-                if data is None:
                     continue
                 self.misses = 0
                 try:
@@ -77,8 +149,9 @@ class WakeableRedisConsumer(_RedisConsumer):
                     continue
                 self.queued_message_ids.add(message.message_id)
                 return MessageProxy(message)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        except redis.RedisError as exc:
+            outage.failed(exc)
+            return None
 
     _drained = False  # the last fetch got fewer messages than it asked for: the queue is empty
 
@@ -92,6 +165,9 @@ class WakeableRedisConsumer(_RedisConsumer):
             messages = self.broker.wait_and_fetch(self.queue_name, wanted, self.timeout)
         else:
             messages = self.broker.do_fetch(self.queue_name, wanted)
+        if any(data is None for data in messages):  # Dramatiq found no body for an id
+            self._dead_letter_bare_values()
+            messages = [data for data in messages if data is not None]
         self.message_cache = messages
         # A full fetch, or one Dramatiq's script cut at its unpack limit, may have left a
         # backlog: fetch again without waiting, and wake another consumer for it.
@@ -102,8 +178,33 @@ class WakeableRedisConsumer(_RedisConsumer):
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Dramatiq's requeue (a stopping worker's unprocessed messages), then a wake-up."""
-        super().requeue(messages)  # type: ignore[no-untyped-call]
-        self.broker.wake(self.queue_name)
+        messages = list(messages)
+        if messages:
+            super().requeue(messages)  # type: ignore[no-untyped-call]
+            self.broker.wake(self.queue_name)
+
+    def _dead_letter_bare_values(self) -> None:
+        """Take values without a message body out of the un-acked set and dead-letter them.
+
+        Something pushed a bare value (not a Dramatiq message) on the queue; the fetch
+        moved it to this worker's un-acked set, where it would sit until the worker dies
+        and then come back. Its raw value goes to the sink (a consume-stage dead letter;
+        the sink logs one line, without the value). If the sink fails, the value goes back
+        to the un-acked set (requeued when this worker stops) rather than being lost.
+        """
+        broker = self.broker
+        acks = f"{broker.namespace}:__acks__.{broker.broker_id}.{self.queue_name}"
+        bodies = f"{broker.namespace}:{self.queue_name}.msgs"
+        for value in broker.take_bare_values(keys=[acks, bodies]):
+            try:
+                broker.undecodable_sink(self.queue_name, value, BARE_VALUE_REASON)
+            except Exception as exc:
+                broker.client.sadd(acks, value)
+                log.error(
+                    "could not dead-letter a value that is not a Dramatiq message; "
+                    "it returns to the queue when this worker stops",
+                    extra={"queue": self.queue_name, "error_class": type(exc).__name__},
+                )
 
     def _discard_undecodable(self, data: bytes, reason: str) -> None:
         """Hand the raw bytes to the sink, then remove them from Redis (they can never run)."""
@@ -118,6 +219,11 @@ class WakeableRedisConsumer(_RedisConsumer):
 
 class PipelineRedisBroker(RedisBroker):
     undecodable_sink: UndecodableSink = staticmethod(_log_undecodable)
+
+    def __init__(self, *args: Any, outage_backoff_max: float = 10.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self.outage = RedisOutage(cap=outage_backoff_max)
+        self.take_bare_values = self.client.register_script(_TAKE_BARE_VALUES)
 
     @property
     def consumer_class(self) -> type[WakeableRedisConsumer]:
@@ -240,10 +346,11 @@ def make_broker(settings: Settings, middleware: list[Any] | None = None) -> Pipe
             Retries(),
         ]
     )
-    return PipelineRedisBroker(  # type: ignore[no-untyped-call]
+    return PipelineRedisBroker(
         url=settings.require_redis_url(),
         namespace=settings.redis_namespace,
         middleware=stack,
         heartbeat_timeout=settings.broker_heartbeat_timeout_ms,
         maintenance_chance=settings.broker_maintenance_chance,
+        outage_backoff_max=settings.reconnect_backoff_max,
     )

@@ -32,6 +32,11 @@ class PublisherUnavailable(Exception):
     """The transport as a whole is down: no event is to blame, so no attempt is counted."""
 
 
+def unavailable(exc: BaseException) -> PublisherUnavailable:
+    """Any Redis failure, as the transport being down (its message names the server's reply)."""
+    return PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}")
+
+
 @dataclass(frozen=True)
 class Delivery:
     """A run of events for one consumer, delivered as one unit, in order."""
@@ -46,6 +51,8 @@ class Publisher(Protocol):
     ``None`` means the broker accepted it; an exception is the reason it was not
     (counted as a failed attempt of its events). Raising :class:`PublisherUnavailable`
     means the transport is down: the batch is given back without counting an attempt.
+    Every failure of the transport itself (connection, timeout, a server that refuses
+    writes) must raise it, never escape as another exception.
     """
 
     def deliver(self, deliveries: Sequence[Delivery]) -> list[BaseException | None]: ...
@@ -113,15 +120,21 @@ class DramatiqRedisPublisher:
                 )
                 continue
             commands[index] = (delivery.subscription.queue, redis_id, body)
-        results = self._enqueue(commands)
-        if any(isinstance(result, NoScriptError) for result in results.values()):
-            # The server lost its script cache (restart, SCRIPT FLUSH): load it, send again.
-            self._load_script()
-            retry = {i: commands[i] for i, r in results.items() if isinstance(r, NoScriptError)}
-            results.update(self._enqueue(retry))
-        for index, result in results.items():
-            if isinstance(result, BaseException):
-                outcomes[index] = result
+        try:
+            results = self._enqueue(commands)
+            if any(isinstance(result, NoScriptError) for result in results.values()):
+                # The server lost its script cache (restart, SCRIPT FLUSH): load it, send again.
+                self._dispatch.sha = self.broker.client.script_load(self._dispatch.script)
+                retry = {i: commands[i] for i, r in results.items() if isinstance(r, NoScriptError)}
+                results.update(self._enqueue(retry))
+        except redis.RedisError as exc:
+            raise unavailable(exc) from exc
+        for result in results.values():
+            if isinstance(result, redis.RedisError):
+                # Out of memory, read-only replica, loading, busy script: Redis cannot take
+                # writes, whichever message it is. No event is to blame, so none counts an
+                # attempt: the batch is given back at once and retried when Redis recovers.
+                raise unavailable(result)
         return outcomes
 
     def _enqueue(self, commands: dict[int, tuple[str, str, str]]) -> dict[int, object]:
@@ -133,25 +146,14 @@ class DramatiqRedisPublisher:
             self.broker.push_dispatch(pipe, "enqueue", queue, redis_id, body, maintenance=False)
         for queue in sorted({queue for queue, _, _ in commands.values()}):
             self.broker.push_wake(pipe, queue)  # wake idle consumers of these queues
-        try:
-            results = pipe.execute(raise_on_error=False)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
-        except redis.RedisError as exc:
-            return dict.fromkeys(commands, exc)
+        results = pipe.execute(raise_on_error=False)
         return dict(zip(commands, results, strict=False))
-
-    def _load_script(self) -> None:
-        try:
-            self._dispatch.sha = self.broker.client.script_load(self._dispatch.script)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
 
     def oldest_waiting(self, queue: str) -> datetime | None:
         try:
             waiting: datetime | None = self.broker.oldest_waiting(queue)
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise PublisherUnavailable(f"Redis unavailable: {type(exc).__name__}: {exc}") from exc
+        except redis.RedisError as exc:
+            raise unavailable(exc) from exc
         return waiting
 
     def close(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -30,9 +31,12 @@ def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     [
         ({"PIPELINE_BATCH_SIZE": "lots"}, "PIPELINE_BATCH_SIZE: Input should be a valid integer"),
         ({"PIPELINE_BATCH_SIZE": "0"}, "PIPELINE_BATCH_SIZE: Input should be greater than 0"),
-        ({"PIPELINE_SCHEMA_NAME": "Bad-Name"}, "PIPELINE_SCHEMA_NAME: Value error, use 1-63"),
-        ({"PIPELINE_REDIS_URL": "http://x"}, "PIPELINE_REDIS_URL: Value error, must start with"),
-        ({"PIPELINE_DATABASE_URL": "mysql://x"}, "PIPELINE_DATABASE_URL: Value error"),
+        ({"PIPELINE_SCHEMA_NAME": "Bad-Name"}, "PIPELINE_SCHEMA_NAME: use 1-63"),
+        ({"PIPELINE_REDIS_URL": "http://x"}, "PIPELINE_REDIS_URL: must start with"),
+        (
+            {"PIPELINE_DATABASE_URL": "mysql://x"},
+            "PIPELINE_DATABASE_URL: must start with postgresql://",
+        ),
         ({"PIPELINE_LOG_FORMAT": "xml"}, "PIPELINE_LOG_FORMAT"),
         (
             {"PIPELINE_WORKER_TIMEOUT_MS": "5000"},
@@ -108,3 +112,147 @@ def test_sqlalchemy_url_uses_psycopg3():
     settings = Settings(database_url="postgres://u@h/db")
     assert settings.sqlalchemy_url() == "postgresql+psycopg://u@h/db"
     assert settings.require_database_url() == "postgresql://u@h/db"
+
+
+# A bad value for every setting; the test below fails when a setting is added without one.
+BAD_VALUES = {
+    "database_url": "mysql://x",
+    "redis_url": "http://x",
+    "schema_name": "Bad-Name",
+    "redis_namespace": "has space",
+    "app_modules": "no_such_module_for_pipeline_tests",
+    "max_payload_bytes": "0",
+    "unordered_event_types": "[1, 2]",
+    "batch_size": "lots",
+    "max_events_per_message": "0",
+    "lease_seconds": "-1",
+    "poll_interval_busy": "fast",
+    "poll_interval_min": "0",
+    "poll_interval_max": "-2",
+    "reconnect_backoff_max": "0",
+    "publishers_in_flight": "0",
+    "publish_max_attempts": "1.5",
+    "publish_backoff_base": "0",
+    "publish_backoff_max": "never",
+    "worker_timeout_ms": "5000",
+    "broker_heartbeat_timeout_ms": "0",
+    "broker_maintenance_chance": "2000000",
+    "inbox_retention_seconds": "0",
+    "consumer_max_retries": "-1",
+    "consumer_backoff_min": "0",
+    "consumer_backoff_max": "x",
+    "metrics_host": "not a host",
+    "metrics_port": "70000",
+    "worker_metrics_port": "-1",
+    "metrics_multiproc_dir": "/dev/null",
+    "state_metrics_interval": "0",
+    "log_format": "xml",
+    "log_level": "LOUD",
+    "trace_ui_url": "jaeger.local:16686/{span}",
+    "canary_interval": "-1",
+    "redelivery_horizon_seconds": "0",
+    "reconcile_interval_seconds": "soon",
+    "sent_retention_seconds": "0",
+}
+
+
+def test_every_setting_has_a_bad_value_below():
+    assert set(BAD_VALUES) == set(Settings.model_fields)
+
+
+def assert_one_line(result: subprocess.CompletedProcess[str], *needles: str, code: int = 1) -> str:
+    assert result.returncode == code, (result.returncode, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("field", sorted(BAD_VALUES))
+def test_a_bad_value_of_any_setting_is_one_line_naming_it(field):
+    variable = f"PIPELINE_{field.upper()}"
+    result = run_cli("status", **{variable: BAD_VALUES[field]})
+    line = assert_one_line(result, f"pipeline: error: {variable}")
+    assert len(line) > len(f"pipeline: error: {variable}: ") + 10  # says what is expected
+
+
+def test_unordered_event_types_is_a_comma_separated_or_json_list():
+    assert load_settings(unordered_event_types="order.placed").unordered_event_types == {
+        "order.placed"
+    }
+    assert Settings().unordered_event_types == frozenset()
+    result = run_cli("status", PIPELINE_UNORDERED_EVENT_TYPES="[1, 2]")
+    assert_one_line(
+        result, "PIPELINE_UNORDERED_EVENT_TYPES", "comma-separated", "JSON list of event types"
+    )
+    given = run_cli(
+        "status",
+        PIPELINE_UNORDERED_EVENT_TYPES="order.placed, order.paid",
+        PIPELINE_DATABASE_URL="mysql://x",
+    )
+    assert_one_line(given, "PIPELINE_DATABASE_URL")  # the list itself was accepted
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [
+        ("poll_interval_min", "poll_interval_max"),
+        ("poll_interval_busy", "poll_interval_max"),
+        ("publish_backoff_base", "publish_backoff_max"),
+        ("consumer_backoff_min", "consumer_backoff_max"),
+    ],
+)
+def test_a_lower_bound_above_its_upper_bound_is_refused(low, high):
+    low_name, high_name = f"PIPELINE_{low.upper()}", f"PIPELINE_{high.upper()}"
+    result = run_cli("status", **{low_name: "5", high_name: "1"})
+    assert_one_line(result, low_name, high_name, "must not exceed")
+
+
+@pytest.mark.parametrize(
+    ("args", "needles"),
+    [
+        (["worker", "--processes", "0"], ["--processes", "0 is not in the range x>=1"]),
+        (["worker", "--threads", "0"], ["--threads", "x>=1"]),
+        (["worker", "--threads", "many"], ["--threads", "not a valid integer"]),
+        (["relay", "--mode", "fast"], ["--mode", "'auto', 'inline', 'workers'"]),
+        (["relay", "--metrics-port", "99999"], ["--metrics-port", "0<=x<=65535"]),
+        (["status", "--max-pending-age", "-1"], ["--max-pending-age", "x>=0"]),
+        (["status", "--max-dead-letters", "some"], ["--max-dead-letters", "integer"]),
+        (["trace", "not-a-uuid"], ["'not-a-uuid' is not an event id (a UUID)"]),
+        (["trace"], ["Missing argument 'EVENT_ID'"]),
+        (["db", "upgrade", "now"], ["unexpected extra argument"]),
+        (["demo", "--events", "0"], ["--events", "x>=1"]),
+        (["demo", "--duplicates", "2"], ["--duplicates", "0<=x<=1"]),
+        (["relay", "--bogus"], ["No such option '--bogus'"]),
+        (["demo", "--api-url", "localhost:8000"], ["--api-url", "http:// or https:// URL"]),
+    ],
+)
+def test_a_bad_argument_is_one_line_naming_the_option(args, needles):
+    result = run_cli(*args)
+    line = assert_one_line(result, *needles, code=2)
+    assert line.startswith("pipeline"), line
+    assert "--help" in line
+
+
+def test_worker_refuses_unknown_queues_and_dramatiq_options_before_connecting():
+    env = {
+        "PIPELINE_DATABASE_URL": "postgresql://u@127.0.0.1:1/db",
+        "PIPELINE_REDIS_URL": "redis://127.0.0.1:1/0",
+        "PIPELINE_APP_MODULES": "tests.apps.inbox_app",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
+    }
+    queue = run_cli("worker", "-Q", "pipeline.nosuch", **env)
+    assert_one_line(queue, "--queues", "pipeline.nosuch", "pipeline.ledger", code=2)
+    extra = run_cli("worker", "--no-such-dramatiq-flag", **env)
+    assert_one_line(extra, "--no-such-dramatiq-flag", code=2)
+
+
+def test_a_refused_postgres_connection_is_one_clean_line_with_the_drivers_reason():
+    url = "postgresql://app:s3cret-pw@127.0.0.1:1/appdb"
+    for args in (["status"], ["trace", "0190a0a0-0000-7000-8000-000000000000"], ["db", "upgrade"]):
+        result = run_cli(*args, PIPELINE_DATABASE_URL=url)
+        line = assert_one_line(result, "127.0.0.1", "port 1", "Connection refused")
+        assert "\t" not in result.stderr and "s3cret-pw" not in result.stderr + result.stdout
+        assert line.startswith("pipeline: error: cannot"), line

@@ -1,0 +1,104 @@
+"""Start and wait: a relay or worker started before its servers (or schema) waits for them.
+
+Processes are started by supervisors that do not order them after Postgres, Redis and
+``pipeline db upgrade``. Instead of dying with a traceback, ``pipeline relay`` and
+``pipeline worker`` check what they need before they start work and, while something is
+missing, log one line per backoff step with the reason and the next wait, until it is
+there or they are told to stop. Misconfiguration (a password Postgres refuses, a database
+that does not exist) is waited on too, and named in the same lines: an operator may fix it
+while the process waits.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import psycopg
+import redis
+from psycopg import sql
+
+from pipeline.backoff import Backoff
+from pipeline.config import Settings, redact_url, validate_identifier
+from pipeline.db.connect import connect, describe_server, driver_reason, schema_missing_message
+from pipeline.db.migrate import available_migrations
+from pipeline.errors import ServiceUnavailableError
+
+log = logging.getLogger("pipeline.readiness")
+FIRST_WAIT = 0.5
+CHECK_TIMEOUT = 5
+
+
+def postgres_problem(settings: Settings) -> str | None:
+    """Why Postgres cannot serve the pipeline yet (down, refusing, schema missing), or None."""
+    try:
+        conn = connect(settings, autocommit=True, connect_timeout=CHECK_TIMEOUT)
+    except ServiceUnavailableError as exc:
+        return str(exc)
+    schema = validate_identifier(settings.schema_name, "schema name")
+    try:
+        with conn:
+            table = conn.execute(
+                "SELECT to_regclass(%s)", (f'"{schema}".schema_migrations',)
+            ).fetchone()
+            if table is None or table[0] is None:
+                return schema_missing_message(schema)
+            applied = {
+                version
+                for (version,) in conn.execute(
+                    sql.SQL("SELECT version FROM {}.schema_migrations").format(
+                        sql.Identifier(schema)
+                    )
+                )
+            }
+    except psycopg.Error as exc:
+        url = settings.require_database_url()
+        return f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
+    missing = [m.version for m in available_migrations() if m.version not in applied]
+    if missing:
+        return (
+            f"the pipeline schema {schema!r} lacks migrations {missing}: run `pipeline db upgrade`"
+        )
+    return None
+
+
+def redis_problem(settings: Settings) -> str | None:
+    """Why Redis cannot be used yet, or None."""
+    url = settings.require_redis_url()
+    client = redis.Redis.from_url(
+        url, socket_timeout=CHECK_TIMEOUT, socket_connect_timeout=CHECK_TIMEOUT
+    )
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        return f"cannot use Redis at {redact_url(url)}: {type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+    return None
+
+
+def wait_for_services(
+    settings: Settings, *, redis_needed: bool, stop: threading.Event, role: str
+) -> bool:
+    """Block until Postgres (with the schema) and, if needed, Redis are usable.
+
+    Returns False when ``stop`` was set first. Each failed check logs one warning with
+    the reason and the wait before the next check; the waits double up to
+    ``PIPELINE_RECONNECT_BACKOFF_MAX``.
+    """
+    backoff = Backoff(FIRST_WAIT, settings.reconnect_backoff_max)
+    while not stop.is_set():
+        problem = postgres_problem(settings)
+        if problem is None and redis_needed:
+            problem = redis_problem(settings)
+        if problem is None:
+            if backoff.reset():
+                log.info(f"{role}: every server it needs is ready; starting", extra={"role": role})
+            return True
+        delay = backoff.next_delay()
+        log.warning(
+            f"{role} waiting: {problem}; next try in {delay:.1f}s",
+            extra={"role": role, "retry_in": delay, "attempt": backoff.failures},
+        )
+        stop.wait(delay)
+    return False
