@@ -1,7 +1,8 @@
 """The ``pipeline`` command line.
 
 Expected failures (:class:`PipelineError`) print one line on stderr and exit 1;
-usage errors exit 2 (click's convention). Tracebacks are kept for real bugs.
+usage errors print one line too and exit 2 (click's convention). Tracebacks are kept
+for real bugs.
 """
 
 from __future__ import annotations
@@ -318,6 +319,7 @@ def status(
 
 
 cli.add_command(__import__("pipeline.demo.cli", fromlist=["demo"]).demo)  # cheap: click only
+cli.add_command(__import__("pipeline.cli_dlq", fromlist=["dlq"]).dlq)  # cheap: click only
 
 
 @cli.command("trace")
@@ -353,6 +355,10 @@ def main(argv: list[str] | None = None) -> None:
         result: Any = cli.main(args=argv, prog_name="pipeline", standalone_mode=False)
         sys.exit(result if isinstance(result, int) else 0)
     except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.UsageError as exc:  # one line, and where to read more
+        path = exc.ctx.command_path if exc.ctx is not None else "pipeline"
+        click.echo(f"pipeline: error: {exc.format_message()} (see '{path} --help')", err=True)
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()
