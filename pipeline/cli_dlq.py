@@ -123,7 +123,14 @@ def _echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
 
 
-def _reason(reason: str) -> str:
+def _reason(reason: str | None, dry_run: bool) -> str:
+    """The operator's reason: required for anything that changes something (it is audited)."""
+    if reason is None:
+        if dry_run:
+            return ""
+        raise click.UsageError(
+            "Missing option '--reason' (kept in the audit log; dry runs need none)"
+        )
     if not reason.strip():
         raise click.UsageError("--reason must say why (it is kept in the audit log)")
     return reason.strip()
@@ -210,7 +217,7 @@ def show_command(ctx: click.Context, dead_letter_id: int, payload: bool, as_json
     metavar="EVENTS_PER_SECOND",
     help="Pace the replay (default: as fast as it goes).",
 )
-@click.option("--reason", required=True, help="Why (kept in the audit log).")
+@click.option("--reason", help="Why (kept in the audit log); required unless --dry-run.")
 @click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_context
@@ -221,7 +228,7 @@ def replay_command(
     to_sandbox: bool,
     limit: int | None,
     rate: float | None,
-    reason: str,
+    reason: str | None,
     apps: tuple[str, ...],
     as_json: bool,
     **filters: Any,
@@ -239,7 +246,7 @@ def replay_command(
     from pipeline.admin.dlq.records import select_dead_letters
     from pipeline.admin.dlq.replay import plan_replay
 
-    reason = _reason(reason)
+    why = _reason(reason, dry_run)
     settings = _settings(ctx, apps)
     scope = _scope(filters)
     if to_sandbox:
@@ -256,6 +263,8 @@ def replay_command(
             conn, schema, replace(scope, waiting=True), limit=limit, in_event_order=True
         )
         steps = plan_replay(letters, registry)
+        if to_sandbox:
+            steps = _sandbox_plan(steps)
         steps += _already_replayed(conn, schema, scope, letters)
         if dry_run:
             _print_plan(steps, rate, to_sandbox, as_json)
@@ -266,8 +275,37 @@ def replay_command(
             "rate": rate,
         }
         if to_sandbox:
-            ctx.exit(_run_sandbox(conn, settings, steps, reason, parameters, as_json))
-        ctx.exit(_run_replay(conn, settings, steps, reason, parameters, rate, as_json))
+            ctx.exit(_run_sandbox(conn, settings, steps, why, parameters, as_json))
+        ctx.exit(_run_replay(conn, settings, steps, why, parameters, rate, as_json))
+
+
+def _sandbox_plan(steps: list[ReplayStep]) -> list[ReplayStep]:
+    """The replay plan restated for the sandbox: which handler runs, or why none can."""
+    from dataclasses import replace
+
+    from pipeline.inbox.consumer import ConsumerDefinition
+
+    restated = []
+    for planned in steps:
+        step, consumer = planned, planned.letter.consumer
+        if step.kind == "deliver" and step.subscription is not None:
+            if isinstance(step.subscription.handler, ConsumerDefinition):
+                count = len(step.letter.event_ids) - step.letter.carried_processed
+                events = "the event" if count == 1 else f"{count} events"
+                step = replace(
+                    step,
+                    detail=f"the handler of {consumer} runs on {events} in a transaction that "
+                    "is rolled back; its external calls are recorded, not made",
+                )
+            else:
+                step = replace(
+                    step,
+                    kind="unroutable",
+                    detail=f"consumer {consumer!r} has no handler in this process: name the "
+                    "module that registers it in PIPELINE_APP_MODULES (or --app)",
+                )
+        restated.append(step)
+    return restated
 
 
 def _registry(settings: Settings) -> Registry:
@@ -394,15 +432,17 @@ def _run_sandbox(
     from pipeline.admin.audit import begin_action, count_affected
     from pipeline.admin.dlq.events import load_events
     from pipeline.admin.dlq.rate import TokenBucket
-    from pipeline.admin.dlq.replay import require_routes
+    from pipeline.admin.dlq.render import render_sandbox
     from pipeline.db.connect import make_engine
-    from pipeline.inbox.sandbox import SandboxOutcome, handler_of, run_in_sandbox
+    from pipeline.errors import ConfigurationError
+    from pipeline.inbox.sandbox import SandboxOutcome, run_in_sandbox
     from pipeline.runtime import event_source
 
-    require_routes(steps)
-    for step in steps:
-        if step.kind == "deliver" and step.subscription is not None:
-            handler_of(step.subscription)  # a clear error before anything runs
+    blocked = [step for step in steps if step.kind == "unroutable"]
+    if blocked:  # a clear error before anything runs
+        raise ConfigurationError(
+            f"cannot run {len(blocked)} dead letter(s) in the sandbox: {blocked[0].detail}"
+        )
     schema = settings.schema_name
     audit_id = begin_action(conn, schema, "dlq.replay.sandbox", reason, parameters)
     bucket = TokenBucket(parameters.get("rate"))
@@ -433,42 +473,8 @@ def _run_sandbox(
     if as_json:
         _echo_json({"sandbox": True, "dry_run": False, "audit_id": audit_id, "runs": runs})
     else:
-        click.echo("\n".join(_render_sandbox(runs, audit_id)))
+        click.echo("\n".join(render_sandbox(runs, audit_id)))
     return 0
-
-
-def _render_sandbox(runs: list[dict[str, Any]], audit_id: int) -> list[str]:
-    lines: list[str] = []
-    for run in runs:
-        lines.append(
-            f"#{run['id']}  {run['stage']}  {run['consumer'] or '-'}  {run['event_type'] or '-'}"
-        )
-        if run["outcome"] == "skipped":
-            lines.append(f"    skipped: {run['detail']}")
-            continue
-        for result in run["results"]:
-            if result["outcome"] == "ok":
-                head = "ok"
-            else:
-                then = (
-                    "the inbox would retry it" if result["retryable"] else "dead-lettered at once"
-                )
-                head = f"error: {result['error']} ({then})"
-            lines.append(f"    {result['event_id']}: {head}")
-            for published in result["published"]:
-                lines.append(f"      would publish {published['type']} {published['id']}")
-            for call in result["external_calls"]:
-                lines.append(
-                    f"      would call {call['method']} {call['url']} "
-                    f"(Idempotency-Key {call['idempotency_key']}; not sent)"
-                )
-    ran = [r for r in runs if r["outcome"] != "skipped"]
-    failing = sum(1 for r in ran if r["outcome"] == "error")
-    lines.append(
-        f"sandbox: {len(ran)} dead letter(s) run, {len(ran) - failing} ok, {failing} with an "
-        f"error; everything rolled back, nothing replayed (audit record #{audit_id})"
-    )
-    return lines
 
 
 @dlq.command("purge")
@@ -476,7 +482,7 @@ def _render_sandbox(runs: list[dict[str, Any]], audit_id: int) -> list[str]:
 @click.option("--all", "purge_all", is_flag=True, help="Every dead letter (instead of filters).")
 @click.option("--waiting", is_flag=True, help="Only dead letters not replayed yet.")
 @click.option("--dry-run", is_flag=True, help="Print what would be deleted; delete nothing.")
-@click.option("--reason", required=True, help="Why (kept in the audit log).")
+@click.option("--reason", help="Why (kept in the audit log); required unless --dry-run.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.pass_context
 def purge_command(
@@ -485,7 +491,7 @@ def purge_command(
     purge_all: bool,
     waiting: bool,
     dry_run: bool,
-    reason: str,
+    reason: str | None,
     as_json: bool,
     **filters: Any,
 ) -> None:
@@ -499,7 +505,7 @@ def purge_command(
     from pipeline.admin.dlq.records import select_dead_letters
     from pipeline.admin.dlq.render import render_list
 
-    reason = _reason(reason)
+    why = _reason(reason, dry_run)
     settings = _settings(ctx)
     scope = _scope(filters, waiting)
     if purge_all and scope.scoped:
@@ -533,7 +539,7 @@ def purge_command(
                 click.echo("\n".join(lines))
             return
         parameters = {"filter": {"all": True} if purge_all else scope.as_json()}
-        audit_id = begin_action(conn, schema, "dlq.purge", reason, parameters)
+        audit_id = begin_action(conn, schema, "dlq.purge", why, parameters)
         deleted = purge(conn, schema, ids, audit_id)
     if as_json:
         _echo_json({"dry_run": False, "audit_id": audit_id, "deleted": deleted})

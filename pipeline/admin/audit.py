@@ -100,8 +100,9 @@ def render_actions(records: Sequence[AuditRecord]) -> list[str]:
         parameters = dict(record.parameters)
         reason = parameters.pop("reason", "")
         parameters.pop("dead_letters", None)
-        scope = json.dumps(parameters.pop("filter", {}), sort_keys=True)
-        extra = " ".join(f"{k}={v}" for k, v in sorted(parameters.items()))
+        given = parameters.pop("filter", None)
+        scope = json.dumps(given, sort_keys=True) if given else "all"
+        extra = " ".join(f"{k}={v}" for k, v in sorted(parameters.items()) if v is not None)
         lines.append(
             f"#{record.id}  {record.at.isoformat(timespec='seconds')}  {record.actor}  "
             f"{record.action}  affected={record.affected}  reason={reason!r}  filter={scope}"

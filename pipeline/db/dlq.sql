@@ -8,7 +8,7 @@
 -- outbox's causation index. With ``in_event_order`` the rows come in the events' sequence
 -- order (replay keeps each ordering key's original order); otherwise in id order.
 -- ``carried``: the event ids inside an unprocessable message's stored arguments, for
--- dead letters that name no single event.
+-- dead letters that name no single event, and how many of them the consumer has processed.
 WITH RECURSIVE chain (id) AS (
     SELECT %(caused_by)s::uuid WHERE %(caused_by)s::uuid IS NOT NULL
     UNION
@@ -24,14 +24,23 @@ SELECT d.id, d.stage, d.event_id, d.consumer, d.event_type, d.queue, d.reason, d
        o.status AS outbox_status,
        (SELECT i.status FROM {schema}.inbox i
         WHERE i.consumer = d.consumer AND i.event_id = d.event_id) AS inbox_status,
-       CASE WHEN d.event_id IS NULL AND jsonb_typeof(d.envelope -> 'args' -> 0) = 'array'
-            THEN ARRAY(SELECT e ->> 'id'
-                       FROM jsonb_array_elements(d.envelope -> 'args' -> 0) AS e
-                       WHERE jsonb_typeof(e) = 'object' AND e ->> 'id' IS NOT NULL)
-       END AS carried,
+       carried.ids AS carried, carried.processed AS carried_processed,
        d.envelope IS NOT NULL AND jsonb_typeof(d.envelope -> 'data') IS NOT NULL AS has_envelope
 FROM {schema}.dead_letters d
 LEFT JOIN {schema}.outbox o ON o.id = d.event_id
+LEFT JOIN LATERAL (
+    SELECT array_agg(e ->> 'id') AS ids,
+           count(*) FILTER (WHERE EXISTS (
+               SELECT 1 FROM {schema}.inbox i
+               WHERE i.consumer = d.consumer AND i.event_id::text = e ->> 'id'
+                 AND i.status = 'processed'
+           )) AS processed
+    FROM jsonb_array_elements(
+        CASE WHEN d.event_id IS NULL AND jsonb_typeof(d.envelope -> 'args' -> 0) = 'array'
+             THEN d.envelope -> 'args' -> 0 ELSE '[]'::jsonb END
+    ) AS e
+    WHERE jsonb_typeof(e) = 'object' AND e ->> 'id' IS NOT NULL
+) AS carried ON true
 WHERE (%(stage)s::text IS NULL OR d.stage = %(stage)s::text)
   AND (%(consumer)s::text IS NULL OR d.consumer = %(consumer)s::text)
   AND (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)

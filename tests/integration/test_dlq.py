@@ -184,7 +184,7 @@ def test_dry_run_changes_nothing_then_replay_reaches_only_that_consumer(
     dead = {d["event_id"]: d["id"] for d in listed}
 
     before, waiting = checksums(dlq_settings), queues(dlq_settings)
-    plan = dlq_json(dlq_settings, "replay", "--dry-run", "--reason", "look first")
+    plan = dlq_json(dlq_settings, "replay", "--dry-run")
     text_plan = dlq(dlq_settings, "replay", "--dry-run", "--reason", "look first", "--rate", "2")
     assert checksums(dlq_settings) == before
     assert queues(dlq_settings) == waiting
@@ -602,7 +602,8 @@ def test_bad_arguments_and_unknown_ids_are_one_line(dlq_settings):
     )
     one_line_error(dlq(dlq_settings, "list", "--event-id", "nope"), 2, "is not an event id")
     one_line_error(dlq(dlq_settings, "list", "--stage", "both"), 2, "--stage")
-    one_line_error(dlq(dlq_settings, "replay", "--dry-run"), 2, "--reason")
+    one_line_error(dlq(dlq_settings, "replay"), 2, "Missing option '--reason'")
+    one_line_error(dlq(dlq_settings, "purge", "--all"), 2, "Missing option '--reason'")
     one_line_error(dlq(dlq_settings, "replay", "--reason", " "), 2, "--reason must say why")
     one_line_error(dlq(dlq_settings, "replay", "--rate", "0", "--reason", "r"), 2, "--rate")
     one_line_error(
@@ -630,3 +631,42 @@ def test_consumer_unknown_to_registry_and_without_queue_is_refused(engine, dlq_s
     assert checksums(dlq_settings) == before
     plan = dlq_json(dlq_settings, "replay", "--dry-run", "--reason", "r")
     assert plan["steps"][0]["action"] == "unroutable"
+
+
+def test_replay_skips_what_the_consumer_processed_since_and_uses_kept_envelopes(
+    engine, dlq_settings
+):
+    (done, _), (gone, gone_letter) = fabricate(engine, 2)
+    envelope = queue_free_envelope(engine, gone)
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE pipeline.inbox SET status = 'processed' WHERE event_id = :e"), {"e": done}
+        )
+        conn.execute(
+            text("UPDATE pipeline.dead_letters SET envelope = CAST(:env AS jsonb) WHERE id = :d"),
+            {"env": json.dumps(envelope), "d": gone_letter},
+        )
+        conn.execute(text("DELETE FROM pipeline.outbox WHERE id = :e"), {"e": gone})
+    result = dlq_json(dlq_settings, "replay", "--reason", "r")
+    first = result["results"][0]
+    assert (first["outcome"], first["detail"]) == (
+        "skipped",
+        "payments has processed the event since: nothing is owed (purge this one)",
+    )
+    assert result["results"][1]["outcome"] == "replayed"
+    # the pruned event travels again from the envelope the consumer was given
+    (message,) = queue_messages(dlq_settings, "pipeline.payments")
+    assert message["args"][0] == [envelope]
+
+
+def queue_free_envelope(engine, event_id: uuid.UUID) -> dict[str, Any]:
+    """The envelope the relay makes of an outbox row (as a consumer received it)."""
+    from pipeline.envelope import OutboxEvent, encode_envelope
+
+    (row,) = rows(
+        engine,
+        "SELECT id, seq, aggregate_type, aggregate_id, ordering_key, event_type, event_version,"
+        " payload::text, headers::text, attempts, created_at FROM pipeline.outbox WHERE id = :e",
+        e=event_id,
+    )
+    return json.loads(encode_envelope(OutboxEvent(*row), "/pipeline/pipeline"))

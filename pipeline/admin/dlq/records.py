@@ -47,6 +47,8 @@ class DeadLetter:
     """The consumer's inbox status for the event now (consume stage; None: no row)."""
     carried: list[uuid.UUID] = field(default_factory=list)
     """Events inside an unprocessable message that names no single event."""
+    carried_processed: int = 0
+    """How many of those the consumer has processed since."""
     has_envelope: bool = False
 
     @property
@@ -119,7 +121,8 @@ def select_dead_letters(
             outbox_status=row[15],
             inbox_status=row[16],
             carried=_uuids(row[17]),
-            has_envelope=bool(row[18]),
+            carried_processed=int(row[18] or 0),
+            has_envelope=bool(row[19]),
         )
         for row in rows
     ]

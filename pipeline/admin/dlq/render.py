@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
+from typing import Any
 
 from pipeline.admin.dlq.records import DeadLetter, DeadLetterDetail
 from pipeline.admin.dlq.replay import ReplayStep, StepResult
@@ -121,5 +122,41 @@ def render_results(results: Sequence[StepResult], audit_id: int) -> list[str]:
     lines.append(
         f"replayed {counts['replayed']}, skipped {counts['skipped']}, failed {counts['failed']} "
         f"(audit record #{audit_id})"
+    )
+    return lines
+
+
+def render_sandbox(runs: list[dict[str, Any]], audit_id: int) -> list[str]:
+    """Per dead letter, each event's outcome, the events it would publish, the calls it
+    would make (from the JSON-ready runs of ``pipeline dlq replay --to-sandbox``)."""
+    lines: list[str] = []
+    for run in runs:
+        lines.append(
+            f"#{run['id']}  {run['stage']}  {run['consumer'] or '-'}  {run['event_type'] or '-'}"
+        )
+        if run["outcome"] == "skipped":
+            lines.append(f"    skipped: {run['detail']}")
+            continue
+        for result in run["results"]:
+            if result["outcome"] == "ok":
+                head = "ok"
+            else:
+                then = (
+                    "the inbox would retry it" if result["retryable"] else "dead-lettered at once"
+                )
+                head = f"error: {result['error']} ({then})"
+            lines.append(f"    {result['event_id']}: {head}")
+            for published in result["published"]:
+                lines.append(f"      would publish {published['type']} {published['id']}")
+            for call in result["external_calls"]:
+                lines.append(
+                    f"      would call {call['method']} {call['url']} "
+                    f"(Idempotency-Key {call['idempotency_key']}; not sent)"
+                )
+    ran = [r for r in runs if r["outcome"] != "skipped"]
+    failing = sum(1 for r in ran if r["outcome"] == "error")
+    lines.append(
+        f"sandbox: {len(ran)} dead letter(s) run, {len(ran) - failing} ok, {failing} with an "
+        f"error; everything rolled back, nothing replayed (audit record #{audit_id})"
     )
     return lines

@@ -164,7 +164,13 @@ def _plan_consume(letter: DeadLetter, registry: Registry) -> ReplayStep:
             f"no queue known for consumer {letter.consumer!r}: name its module in "
             "PIPELINE_APP_MODULES (or --app)",
         )
-    count = len(letter.event_ids)
+    if letter.carried and letter.carried_processed >= len(letter.carried):
+        return ReplayStep(
+            letter,
+            "skip",
+            f"{letter.consumer} has processed its events since: nothing is owed (purge this one)",
+        )
+    count = len(letter.event_ids) - letter.carried_processed
     events = "the event" if count == 1 else f"{count} events"
     return ReplayStep(
         letter,
