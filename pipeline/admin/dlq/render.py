@@ -112,7 +112,7 @@ def render_plan(steps: Sequence[ReplayStep], sandbox: bool = False) -> list[str]
 
 
 def render_results(results: Sequence[StepResult], audit_id: int) -> list[str]:
-    lines = []
+    lines = [] if results else ["no dead letters match"]
     for result in results:
         lines.append(f"#{result.step.letter.id}  {_subject(result.step.letter)}")
         lines.append(f"    {result.outcome}: {result.detail}")
