@@ -119,6 +119,21 @@ def _require_known_ids(conn: psycopg.Connection[Any], schema: str, ids: tuple[in
         raise NotFoundError(f"no dead letter {named} in schema {schema!r}")
 
 
+def _require_grants(
+    conn: psycopg.Connection[Any],
+    settings: Settings,
+    command: str,
+    *,
+    replay: bool = False,
+    purge: bool = False,
+) -> None:
+    """Refuse, naming every missing grant, before an action changes anything."""
+    from pipeline.db.privileges import dlq_grants, require_privileges
+
+    grants = dlq_grants(replay=replay, purge=purge)
+    require_privileges(conn, settings.schema_name, grants, command)
+
+
 def _echo_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, sort_keys=True))
 
@@ -258,6 +273,9 @@ def replay_command(
     registry = _registry(settings)
     with _connect(settings) as conn:
         schema = settings.schema_name
+        if not dry_run:  # dry runs are read-only: an operator's role may run them
+            command = "pipeline dlq replay" + (" --to-sandbox" if to_sandbox else "")
+            _require_grants(conn, settings, command, replay=not to_sandbox)
         _require_known_ids(conn, schema, scope.ids)
         letters = select_dead_letters(
             conn, schema, replace(scope, waiting=True), limit=limit, in_event_order=True
@@ -518,6 +536,8 @@ def purge_command(
         )
     schema = settings.schema_name
     with _connect(settings) as conn:
+        if not dry_run:
+            _require_grants(conn, settings, "pipeline dlq purge", purge=True)
         _require_known_ids(conn, schema, scope.ids)
         letters = select_dead_letters(conn, schema, scope)
         ids = [letter.id for letter in letters]
