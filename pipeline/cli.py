@@ -1,8 +1,8 @@
 """The ``pipeline`` command line.
 
 Expected failures (:class:`PipelineError`) print one line on stderr and exit 1;
-usage errors (a bad option or argument) print one line naming it and exit 2 (click's
-convention). Tracebacks are kept for real bugs.
+usage errors print one line too and exit 2 (click's convention). Tracebacks are kept
+for real bugs.
 """
 
 from __future__ import annotations
@@ -390,6 +390,7 @@ def status(
 
 
 cli.add_command(__import__("pipeline.demo.cli", fromlist=["demo"]).demo)  # cheap: click only
+cli.add_command(__import__("pipeline.cli_dlq", fromlist=["dlq"]).dlq)  # cheap: click only
 
 
 @cli.command("trace")
@@ -426,9 +427,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(result if isinstance(result, int) else 0)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.UsageError as exc:
-        command = exc.ctx.command_path if exc.ctx is not None else "pipeline"
-        click.echo(f"{command}: error: {exc.format_message()} (see `{command} --help`)", err=True)
+    except click.UsageError as exc:  # one line, and where to read more
+        path = exc.ctx.command_path if exc.ctx is not None else "pipeline"
+        click.echo(f"pipeline: error: {exc.format_message()} (see '{path} --help')", err=True)
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
         exc.show()

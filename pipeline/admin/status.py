@@ -15,7 +15,6 @@ from typing import Any
 
 import psycopg
 import redis
-from psycopg import sql
 
 from pipeline.admin.state import (
     QueueDepth,
@@ -86,16 +85,9 @@ def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -
     dead_total = sum(database.dead_letters.values())
     if dead_total > thresholds.max_dead_letters:
         stages = ", ".join(f"{n} at {s}" for s, n in database.dead_letters.items() if n)
-        listing = (  # shown to the operator, who runs it
-            sql.SQL(
-                "SELECT event_id, consumer, reason FROM {}.dead_letters WHERE replayed_at IS NULL"
-            )
-            .format(sql.Identifier(settings.schema_name))
-            .as_string(None)
-        )
         problems.append(
-            f"{dead_total} dead letters ({stages}): list them with `{listing}`;"
-            " `pipeline trace EVENT_ID` shows one event's history"
+            f"{dead_total} dead letters ({stages}): list them with `pipeline dlq list --waiting`;"
+            " `pipeline dlq replay --dry-run` shows what a replay would do"
         )
     if database.oldest_pending_age_seconds > thresholds.max_pending_age_seconds:
         problems.append(

@@ -9,7 +9,8 @@ that page's SQL and checks that each of its grants is required here and that the
 processes work with exactly those.
 
 The producer needs INSERT on the outbox only: the insert triggers run as the schema's
-owner (SECURITY DEFINER in functions.sql).
+owner (SECURITY DEFINER in functions.sql). ``pipeline dlq replay`` and ``purge`` check
+their grants the same way before they change anything.
 """
 
 from __future__ import annotations
@@ -58,6 +59,27 @@ CONSUMING: Grants = {
     "dead_letters": frozenset({"INSERT"}),  # events that ran out of retries
     "outbox": frozenset({"INSERT"}),  # follow-up events published by handlers
 }
+
+
+DLQ_READ: Grants = {
+    # `pipeline dlq list|show` and every replay's plan: the dead letters, and the state of
+    # their events and inbox rows now (show adds the attempt history)
+    "dead_letters": frozenset({"SELECT"}),
+    "outbox": frozenset({"SELECT"}),
+    "inbox": frozenset({"SELECT"}),
+    "attempts": frozenset({"SELECT"}),
+}
+AUDIT: Grants = {
+    # each action is recorded before it starts (INSERT ... RETURNING) and counts what it
+    # affects in the transaction of each change; `pipeline dlq audit` lists the records
+    "audit_log": frozenset({"SELECT", "INSERT", "UPDATE"}),
+}
+DLQ_REPLAY: Grants = {
+    "outbox": frozenset({"UPDATE"}),  # a publish-stage event back to pending
+    "inbox": frozenset({"INSERT", "UPDATE"}),  # a consume-stage delivery owed again (upsert)
+    "dead_letters": frozenset({"UPDATE"}),  # locked for the replay (FOR UPDATE), then marked
+}
+DLQ_PURGE: Grants = {"dead_letters": frozenset({"DELETE"})}
 
 
 def combine(*parts: Grants) -> dict[str, frozenset[str]]:
@@ -114,3 +136,9 @@ def require_privileges(
             f"permission denied: the database role {role!r} lacks {', '.join(missing)}, "
             f"which `{command}` needs (the grants are in docs/security.md)"
         )
+
+
+def dlq_grants(*, replay: bool = False, purge: bool = False) -> dict[str, frozenset[str]]:
+    """What an audited ``pipeline dlq`` action needs: a replay, a purge, or (neither) a
+    sandbox replay, whose handlers need their own grants besides."""
+    return combine(DLQ_READ, AUDIT, DLQ_REPLAY if replay else {}, DLQ_PURGE if purge else {})

@@ -18,7 +18,7 @@ from pipeline.config import validate_identifier
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
-QUERY_FILES = ("queries.sql", "inbox.sql", "ledger.sql")
+QUERY_FILES = ("queries.sql", "inbox.sql", "ledger.sql", "dlq.sql")
 
 
 @lru_cache(maxsize=1)

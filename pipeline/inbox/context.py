@@ -1,4 +1,9 @@
-"""What a handler gets besides the event: its transaction, keys, and follow-up publishing."""
+"""What a handler gets besides the event: its transaction, keys, and follow-up publishing.
+
+A context may be a *sandbox* (``pipeline dlq replay --to-sandbox``): the handler runs in
+a transaction that is always rolled back, and :func:`pipeline.inbox.http.idempotent_post`
+records the calls it would make instead of making them.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,23 @@ from sqlalchemy.orm import Session
 from pipeline.envelope import ReceivedEvent
 from pipeline.inbox.idempotency import idempotency_key
 from pipeline.outbox import add_event
+
+
+@dataclass(frozen=True)
+class ExternalCall:
+    """A call the idempotency helper did not make in a sandbox (no body: it may hold data)."""
+
+    method: str
+    url: str
+    idempotency_key: str
+
+
+@dataclass
+class SandboxLog:
+    """What a handler did in a sandbox: the events it published, the calls it would make."""
+
+    published: list[tuple[str, uuid.UUID]] = field(default_factory=list)
+    external_calls: list[ExternalCall] = field(default_factory=list)
 
 
 @dataclass
@@ -29,6 +51,8 @@ class HandlerContext:
     attempt: int
     queue: str
     published: list[uuid.UUID] = field(default_factory=list)
+    sandbox: SandboxLog | None = None
+    """Set in a sandbox run: external calls are recorded here, never made."""
 
     @property
     def idempotency_key(self) -> str:
@@ -46,4 +70,6 @@ class HandlerContext:
             fields.setdefault("correlation_id", uuid.UUID(correlation))
         event_id = add_event(self.session, event_type, payload, **fields)
         self.published.append(event_id)
+        if self.sandbox is not None:
+            self.sandbox.published.append((event_type, event_id))
         return event_id

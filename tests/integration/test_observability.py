@@ -954,14 +954,22 @@ def test_status_json_reports_state_and_exit_codes(engine, runtime, settings):
     assert dead.returncode == 1
     report = json.loads(dead.stdout)
     assert report["dead_letters"]["publish"] == 1 and report["healthy"] is False
-    # The problem names only things that exist: a query that lists the dead letter, and
-    # `pipeline trace`.
+    # The problem names commands that exist, and the listing it names finds the dead letter.
     (problem,) = [p for p in report["problems"] if "dead letters" in p]
-    query = problem.split("`")[1]
-    with psycopg.connect(settings.require_database_url(), autocommit=True) as conn:
-        listed = conn.execute(query).fetchall()
-    assert len(listed) == 1 and listed[0][0] is not None  # the event id
-    assert "`pipeline trace EVENT_ID`" in problem
+    command = problem.split("`")[1]
+    assert command == "pipeline dlq list --waiting"
+    listed = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", *command.split()[1:], "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert [(d["stage"], d["error_class"]) for d in json.loads(listed.stdout)] == [
+        ("publish", "PermanentPublishError")
+    ]
+    assert "`pipeline dlq replay --dry-run`" in problem
     assert run_status(env, "--json", "--max-dead-letters", "1").returncode == 0
     human = run_status(env)
     assert human.returncode == 1 and "UNHEALTHY" in human.stdout and "r1" in human.stdout

@@ -25,14 +25,14 @@ from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, PermissionDeniedError, Settings, add_event, add_events, configure
 from pipeline.cli import main as cli_main
-from pipeline.db.privileges import missing_privileges, relay_grants, worker_grants
+from pipeline.db.privileges import dlq_grants, missing_privileges, relay_grants, worker_grants
 from pipeline.errors import ServiceUnavailableError
 from tests.conftest import create_database, drop_database
 from tests.support import ROOT, pipeline_env, start_process, stop_process, wait_until
 
 DOC = ROOT / "docs" / "security.md"
 APP = "tests.apps.roles_app"
-ROLES = ("owner", "producer", "relay", "worker", "operator")
+ROLES = ("owner", "producer", "relay", "worker", "operator", "dlq")
 STATEMENT = re.compile(
     r"GRANT\s+(?P<privileges>[A-Z][A-Z, ]*?)\s+ON\s+(?P<target>.+?)\s+TO\s+(?P<role>\w+)\s*;", re.S
 )
@@ -118,7 +118,9 @@ class Deployment:
     def render(self, text: str) -> str:
         """The page's SQL for this test: its database and prefixed role names."""
         text = re.sub(
-            r"\bpipeline_(?:owner|producer|relay|worker|operator)\b", self.prefix + r"\g<0>", text
+            r"\bpipeline_(?:owner|producer|relay|worker|operator|dlq)\b",
+            self.prefix + r"\g<0>",
+            text,
         )
         return re.sub(r"\bDATABASE app\b", f'DATABASE "{self.database}"', text)
 
@@ -206,6 +208,7 @@ def test_the_documented_grants_are_exactly_what_relays_and_workers_check():
     assert documented_table_grants("worker") == code_grants(worker_grants(publishing=True))
     assert documented_table_grants("producer") == {("INSERT", "pipeline.outbox")}
     assert {p for p, _ in documented_table_grants("operator")} == {"SELECT"}
+    assert documented_table_grants("dlq") == code_grants(dlq_grants(replay=True, purge=True))
     for role in ROLES:
         assert ("CONNECT", "DATABASE app") in documented_grants(role)
 
@@ -542,6 +545,7 @@ READERS = {  # the operator command that reads each table
     "pipeline.attempts": ["trace", "EVENT"],
     "pipeline.inbox": ["trace", "EVENT"],
     "pipeline.schema_migrations": ["db", "pending"],
+    "pipeline.audit_log": ["dlq", "audit"],
 }
 
 
@@ -568,3 +572,104 @@ def test_the_documented_sql_is_all_run_here():
     """Every ```sql block of the page is one the fixture runs: none is left untested."""
     run = {hardening_block(), *(block_for(role) for role in ROLES)}
     assert set(sql_blocks()) == run
+
+
+# -- dead letters ------------------------------------------------------------------------------
+
+
+def dead_letters_of_both_stages(setup: Deployment) -> tuple[uuid.UUID, uuid.UUID]:
+    """A consume-stage dead letter (role_orders gave up on c1) and a publish-stage one (p1)."""
+    consumed, published = produce(setup, orders(["c1", "p1"]))
+    for statement in (
+        "UPDATE pipeline.outbox SET status = 'sent', consumers = '{role_orders}' WHERE id = %(c)s",
+        "UPDATE pipeline.outbox SET status = 'dead' WHERE id = %(p)s",
+        "INSERT INTO pipeline.inbox (consumer, event_id, event_type, status, attempts)"
+        " VALUES ('role_orders', %(c)s, 'role.order', 'dead', 1)",
+        "INSERT INTO pipeline.dead_letters (stage, event_id, consumer, event_type, queue, reason,"
+        " error_class, error) VALUES ('consume', %(c)s, 'role_orders', 'role.order',"
+        " 'pipeline.role_orders', 'non-retryable Poison', 'Poison', 'Poison: refused'),"
+        " ('publish', %(p)s, NULL, 'role.order', NULL, 'gave up', 'RuntimeError', 'RuntimeError')",
+    ):
+        setup.admin(statement, {"c": consumed, "p": published})
+    return consumed, published
+
+
+def test_the_dlq_role_replays_purges_and_runs_the_sandbox(deployment, monkeypatch, capsys):
+    import json
+
+    consumed, published = dead_letters_of_both_stages(deployment)
+    # read-only operators list, show and plan, and cannot act
+    for args in (["dlq", "list"], ["dlq", "show", "1"], ["dlq", "replay", "--dry-run"]):
+        code, _, err = run_in_process(deployment, "operator", args, monkeypatch, capsys)
+        assert (code, err) == (0, ""), args
+    code, out, err = run_in_process(
+        deployment, "operator", ["dlq", "replay", "--reason", "r"], monkeypatch, capsys
+    )
+    assert (code, out) == (1, "")
+    assert err.startswith("pipeline: error: permission denied: the database role ")
+    assert "INSERT on pipeline.audit_log" in err and "UPDATE on pipeline.outbox" in err
+    assert "which `pipeline dlq replay` needs" in err and len(err.splitlines()) == 1
+
+    # the sandbox runs the handler with the worker's grants
+    deployment.admin(deployment.render("GRANT pipeline_worker TO pipeline_dlq"))
+    code, out, err = run_in_process(
+        deployment,
+        "dlq",
+        ["dlq", "replay", "--to-sandbox", "--reason", "r", "--json"],
+        monkeypatch,
+        capsys,
+    )
+    assert (code, err) == (0, "")
+    (run,) = json.loads(out)["runs"]
+    assert [r["outcome"] for r in run["results"]] == ["ok"]
+    assert effects(deployment, "role_orders") == 0  # rolled back
+    deployment.admin(deployment.render("REVOKE pipeline_worker FROM pipeline_dlq"))
+
+    code, out, err = run_in_process(
+        deployment, "dlq", ["dlq", "replay", "--reason", "r", "--json"], monkeypatch, capsys
+    )
+    assert (code, err) == (0, "")
+    assert json.loads(out)["replayed"] == 2
+    assert deployment.admin(
+        "SELECT status FROM pipeline.inbox WHERE event_id = %(e)s", {"e": consumed}
+    ) == [("pending",)]
+    assert deployment.admin(
+        "SELECT status FROM pipeline.outbox WHERE id = %(e)s", {"e": published}
+    ) == [("pending",)]
+    code, _, err = run_in_process(
+        deployment, "dlq", ["dlq", "purge", "--all", "--reason", "r"], monkeypatch, capsys
+    )
+    assert (code, err) == (0, "")
+    code, out, err = run_in_process(
+        deployment, "operator", ["dlq", "audit", "--json"], monkeypatch, capsys
+    )
+    assert [(a["action"], a["affected"]) for a in json.loads(out)] == [
+        ("dlq.purge", 2),
+        ("dlq.replay", 2),
+        ("dlq.replay.sandbox", 1),
+    ]
+
+
+def test_each_dlq_grant_is_checked_before_anything_changes(deployment, monkeypatch, capsys):
+    dead_letters_of_both_stages(deployment)
+    before = deployment.admin(
+        "SELECT (SELECT count(*) FROM pipeline.audit_log),"
+        " (SELECT count(*) FROM pipeline.dead_letters WHERE replayed_at IS NULL)"
+    )
+    for privilege, name in sorted(documented_table_grants("dlq")):
+        # DELETE is a purge's grant; every other one a replay's (the check comes first)
+        action = ["purge", "--all"] if privilege == "DELETE" else ["replay"]
+        command = ["dlq", *action, "--reason", "r"]
+        deployment.admin(deployment.render(f"REVOKE {privilege} ON {name} FROM pipeline_dlq"))
+        try:
+            code, out, err = run_in_process(deployment, "dlq", command, monkeypatch, capsys)
+        finally:
+            deployment.admin(deployment.render(f"GRANT {privilege} ON {name} TO pipeline_dlq"))
+        assert code == 1, (privilege, name, out, err)
+        (line,) = err.splitlines()
+        assert f"lacks {privilege} on {name}, which `pipeline dlq" in line, line
+    after = deployment.admin(
+        "SELECT (SELECT count(*) FROM pipeline.audit_log),"
+        " (SELECT count(*) FROM pipeline.dead_letters WHERE replayed_at IS NULL)"
+    )
+    assert after == before

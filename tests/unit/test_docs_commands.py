@@ -117,7 +117,7 @@ def test_every_command_named_in_docs_and_messages_exists() -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        "run `pipeline dlq list` to see them",
+        "run `pipeline dlq resurrect` to see them",
         "`pipeline db prune`",
         "`pipeline no-such-command --json`",
     ],

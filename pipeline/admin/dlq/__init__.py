@@ -1,0 +1,1 @@
+"""Dead-letter tools behind ``pipeline dlq``: filters, listing, replay, purge."""

@@ -1,0 +1,672 @@
+"""``pipeline dlq``: list, show, dry runs, replay of both stages, the sandbox, purge, audit.
+
+Dead letters are made the way production makes them: a relay and workers run as real
+processes (``pipeline relay`` / ``pipeline worker``) against real Postgres and Redis, a
+handler fails permanently until the test "deploys a fix" (tests/apps/dlq_app.py), and
+every command runs through the real CLI in a subprocess.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import subprocess
+import sys
+import uuid
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from sqlalchemy import text
+
+from pipeline import NewEvent, Settings, configure
+from pipeline.demo.payment_api import PaymentServer
+from pipeline.inbox.idempotency import idempotency_key
+from pipeline.registry import Registry
+from pipeline.relay.drain import Drainer
+from pipeline.runtime import build_runtime
+from pipeline.transport.publisher import Delivery
+from tests.support import (
+    multiprocess_metric,
+    pipeline_env,
+    produce,
+    queue_messages,
+    start_relay,
+    start_worker,
+    stop_process,
+    wait_until,
+)
+
+APP = "tests.apps.dlq_app"
+TABLES = """
+CREATE TABLE effects (id bigserial PRIMARY KEY, consumer text NOT NULL, order_id text NOT NULL,
+                      event_id uuid NOT NULL);
+CREATE TABLE dlq_switches (consumer text PRIMARY KEY, broken boolean NOT NULL);
+INSERT INTO dlq_switches VALUES ('payments', true);
+"""
+QUEUES = ("pipeline.payments", "pipeline.audit", "pipeline.shipping")
+
+
+@pytest.fixture
+def dlq_settings(settings: Settings, engine) -> Iterator[Settings]:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(TABLES)
+    value = settings.replace(
+        lease_seconds=3.0,
+        poll_interval_max=0.5,
+        broker_heartbeat_timeout_ms=3000,
+        broker_maintenance_chance=200_000,
+    )
+    configure(value)
+    yield value
+    configure(settings)
+
+
+def dlq(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "dlq", *args],
+        check=False,
+        env=pipeline_env(settings, APP, **env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def dlq_json(settings: Settings, *args: str, **env: str) -> Any:
+    result = dlq(settings, *args, "--json", **env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], code: int, expected: str) -> None:
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("pipeline: error: ") and expected in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+
+
+def checksums(settings: Settings, skip: Sequence[str] = ()) -> dict[str, str]:
+    """An md5 of every row of every table in the pipeline schema and the app's tables."""
+    found: dict[str, str] = {}
+    with psycopg.connect(settings.require_database_url()) as conn:
+        tables = conn.execute(
+            "SELECT table_schema, table_name FROM information_schema.tables"
+            " WHERE table_schema IN ('pipeline', 'public') AND table_type = 'BASE TABLE'"
+        ).fetchall()
+        for schema, table in tables:
+            if table in skip:
+                continue
+            query = sql.SQL(
+                "SELECT count(*), md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), ''))"
+                " FROM {}.{} t"
+            ).format(sql.Identifier(schema), sql.Identifier(table))
+            count, digest = conn.execute(query).fetchone()
+            found[f"{schema}.{table}"] = f"{count}:{digest}"
+    assert "pipeline.outbox" in found and "public.effects" in found
+    return found
+
+
+def queues(settings: Settings) -> dict[str, list[list[str]]]:
+    """Per queue, the event ids of each waiting message."""
+    return {
+        queue: [
+            [e["id"] for e in message["args"][0]] for message in queue_messages(settings, queue)
+        ]
+        for queue in QUEUES
+    }
+
+
+def rows(engine, query: str, **params: Any) -> list[tuple[Any, ...]]:
+    with engine.connect() as conn:
+        return [tuple(r) for r in conn.execute(text(query), params)]
+
+
+def effects(engine, consumer: str) -> Counter[str]:
+    return Counter(
+        r[0] for r in rows(engine, "SELECT order_id FROM effects WHERE consumer = :c", c=consumer)
+    )
+
+
+def set_broken(engine, broken: bool) -> None:
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE dlq_switches SET broken = :b"), {"b": broken})
+
+
+def orders_with_poison(engine, settings: Settings, tmp_path: Path) -> dict[str, uuid.UUID]:
+    """Six orders through a real relay and worker; payments dead-letters o1, o2 and o4.
+
+    o1 and o2 share an ordering key. Returns order id -> event id.
+    """
+    poison = {"o1", "o2", "o4"}
+    relay = start_relay(settings, APP, tmp_path / "relay.log")
+    worker = start_worker(settings, APP, tmp_path / "worker.log", 1, 2)
+    try:
+        names = [f"o{i}" for i in range(6)]
+        events = [
+            NewEvent(
+                "order.placed",
+                {"order_id": o, "poison": o in poison},
+                aggregate_type="order",
+                aggregate_id="k12" if o in ("o1", "o2") else o,
+            )
+            for o in names
+        ]
+        ids = dict(zip(names, produce(engine, events, per_transaction=1), strict=True))
+        wait_until(
+            lambda: (
+                rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0] == 3
+                and sum(effects(engine, "audit").values()) == 6
+                and sum(effects(engine, "shipping").values()) == 3
+            ),
+            timeout=60,
+        )
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+    assert effects(engine, "payments") == Counter({o: 1 for o in names if o not in poison})
+    return ids
+
+
+def test_dry_run_changes_nothing_then_replay_reaches_only_that_consumer(
+    engine, dlq_settings, tmp_path
+):
+    ids = orders_with_poison(engine, dlq_settings, tmp_path)
+    listed = dlq_json(dlq_settings, "list", "--consumer", "payments")
+    assert sorted(d["event_id"] for d in listed) == sorted(str(ids[o]) for o in ("o1", "o2", "o4"))
+    assert {d["error_class"] for d in listed} == {"Poison"}
+    assert {d["inbox_status"] for d in listed} == {"dead"}
+    dead = {d["event_id"]: d["id"] for d in listed}
+
+    before, waiting = checksums(dlq_settings), queues(dlq_settings)
+    plan = dlq_json(dlq_settings, "replay", "--dry-run")
+    text_plan = dlq(dlq_settings, "replay", "--dry-run", "--reason", "look first", "--rate", "2")
+    assert checksums(dlq_settings) == before
+    assert queues(dlq_settings) == waiting
+    assert plan["dry_run"] and plan["would_replay"] == 3
+    assert [s["event_ids"] for s in plan["steps"]] == [[str(ids[o])] for o in ("o1", "o2", "o4")]
+    assert {(s["action"], s["queue"]) for s in plan["steps"]} == {("deliver", "pipeline.payments")}
+    assert text_plan.returncode == 0, text_plan.stderr
+    assert "would deliver" in text_plan.stdout and "for payments only" in text_plan.stdout
+    assert "dry run: 3 of 3 dead letter(s) would be replayed; nothing changed" in text_plan.stdout
+    assert "paced at 2 events/s" in text_plan.stdout
+
+    set_broken(engine, False)  # the fix is deployed
+    scoped = [ids["o2"], ids["o1"]]
+    result = dlq_json(
+        dlq_settings,
+        "replay",
+        "--consumer",
+        "payments",
+        *[arg for event in scoped for arg in ("--event-id", str(event))],
+        "--reason",
+        "fix deployed",
+    )
+    assert (result["replayed"], result["skipped"], result["failed"]) == (2, 0, 0)
+    # one message per dead letter, in sequence order, on the payments queue alone
+    assert queues(dlq_settings) == {
+        "pipeline.payments": [[str(ids["o1"])], [str(ids["o2"])]],
+        "pipeline.audit": [],
+        "pipeline.shipping": [],
+    }
+    inbox = rows(
+        engine,
+        "SELECT event_id, status, attempts FROM pipeline.inbox"
+        " WHERE consumer = 'payments' AND event_id = ANY(:ids) ORDER BY event_id",
+        ids=[ids["o1"], ids["o2"], ids["o4"]],
+    )
+    assert {(r[1], r[2]) for r in inbox if r[0] != ids["o4"]} == {("pending", 0)}
+    assert [r[1] for r in inbox if r[0] == ids["o4"]] == ["dead"]
+    marked = rows(
+        engine, "SELECT id, replay_count FROM pipeline.dead_letters WHERE replayed_at IS NOT NULL"
+    )
+    assert sorted(marked) == sorted((dead[str(e)], 1) for e in scoped)
+
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    relay = start_relay(dlq_settings, APP, tmp_path / "relay2.log")
+    worker = start_worker(
+        dlq_settings, APP, tmp_path / "worker2.log", 1, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics)
+    )
+    try:
+        wait_until(
+            lambda: effects(engine, "shipping")["o1"] == effects(engine, "shipping")["o2"] == 1,
+            timeout=60,
+        )
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+    # the replayed handler ran once per event; the other consumer never saw them again
+    assert effects(engine, "payments") == Counter({o: 1 for o in ("o0", "o1", "o2", "o3", "o5")})
+    assert effects(engine, "audit") == Counter({f"o{i}": 1 for i in range(6)})
+    assert effects(engine, "shipping") == Counter({o: 1 for o in ("o0", "o1", "o2", "o3", "o5")})
+    assert multiprocess_metric(metrics, "pipeline_inbox_processed_total", consumer="payments") == 2
+    assert multiprocess_metric(metrics, "pipeline_inbox_processed_total", consumer="audit") == 0
+    assert multiprocess_metric(metrics, "pipeline_inbox_duplicates_total", consumer="audit") == 0
+    assert rows(
+        engine,
+        "SELECT status, attempts FROM pipeline.inbox WHERE consumer = 'payments' AND event_id = :e",
+        e=ids["o1"],
+    ) == [("processed", 1)]
+
+    audit = dlq_json(dlq_settings, "audit")
+    assert len(audit) == 1  # the dry runs were not recorded
+    (record,) = audit
+    assert record["actor"] == getpass.getuser()
+    assert record["action"] == "dlq.replay"
+    assert record["affected"] == 2
+    assert record["parameters"]["reason"] == "fix deployed"
+    assert record["parameters"]["filter"] == {
+        "consumer": "payments",
+        "event_id": [str(e) for e in scoped],
+    }
+    assert sorted(record["parameters"]["dead_letters"]) == sorted(dead[str(e)] for e in scoped)
+    listing = dlq(dlq_settings, "audit")
+    assert "dlq.replay" in listing.stdout and "'fix deployed'" in listing.stdout
+
+    # a second replay of the same scope finds nothing waiting; by --id it says why
+    again = dlq_json(dlq_settings, "replay", "--id", str(dead[str(ids["o1"])]), "--reason", "x")
+    assert again["replayed"] == 0
+    assert again["results"][0]["detail"].startswith("already replayed at")
+
+
+def test_replayed_event_that_fails_again_is_a_new_dead_letter(engine, dlq_settings, tmp_path):
+    ids = orders_with_poison(engine, dlq_settings, tmp_path)
+    replayed = dlq_json(
+        dlq_settings, "replay", "--event-id", str(ids["o4"]), "--reason", "try without fix"
+    )
+    assert replayed["replayed"] == 1
+    worker = start_worker(dlq_settings, APP, tmp_path / "worker2.log", 1, 1)
+    try:
+        wait_until(
+            lambda: rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0] == 4,
+            timeout=60,
+        )
+    finally:
+        stop_process(worker)
+    letters = rows(
+        engine,
+        "SELECT replay_count, replayed_at IS NOT NULL FROM pipeline.dead_letters"
+        " WHERE event_id = :e ORDER BY id",
+        e=ids["o4"],
+    )
+    assert letters == [(1, True), (0, False)]
+    waiting = dlq_json(dlq_settings, "list", "--waiting", "--event-id", str(ids["o4"]))
+    assert len(waiting) == 1 and waiting[0]["replay_count"] == 0
+
+
+class FailFor:
+    """Fails every delivery to one consumer; passes the others to the real publisher."""
+
+    def __init__(self, inner, consumer: str) -> None:
+        self.inner, self.consumer = inner, consumer
+
+    def deliver(self, deliveries: Sequence[Delivery]):
+        passed = [d for d in deliveries if d.subscription.consumer != self.consumer]
+        outcomes = iter(self.inner.deliver(passed))
+        return [
+            RuntimeError("the payments queue rejected it")
+            if d.subscription.consumer == self.consumer
+            else next(outcomes)
+            for d in deliveries
+        ]
+
+    def oldest_waiting(self, queue: str):
+        return self.inner.oldest_waiting(queue)
+
+    def close(self) -> None:
+        pass
+
+
+def test_publish_stage_replay_is_published_consumed_and_deduplicated(
+    engine, dlq_settings, tmp_path
+):
+    set_broken(engine, False)
+    routes = Registry()
+    routes.subscribe("payments", ["order.placed"])
+    routes.subscribe("audit", ["order.placed"])
+    once = dlq_settings.replace(publish_max_attempts=1)
+    runtime = build_runtime(once, routes, set_global_broker=False)
+    names = ["p0", "p1", "p2"]
+    ids = dict(
+        zip(
+            names,
+            produce(engine, [NewEvent("order.placed", {"order_id": o}) for o in names]),
+            strict=True,
+        )
+    )
+    try:
+        conn = psycopg.connect(once.require_database_url(), autocommit=True)
+        drainer = Drainer(once, FailFor(runtime.publisher, "payments"), routes, "t", conn)
+        while drainer.run_batch().claimed:
+            pass
+        conn.close()
+    finally:
+        runtime.close()
+    # audit got every event; payments none: the relay gave up on all three
+    audit_copies = [e for message in queues(dlq_settings)["pipeline.audit"] for e in message]
+    assert audit_copies == [str(ids[o]) for o in names]
+    dead = dlq_json(dlq_settings, "list", "--stage", "publish")
+    assert [d["event_id"] for d in dead] == [str(ids[o]) for o in names]
+    assert {d["outbox_status"] for d in dead} == {"dead"}
+    worker = start_worker(dlq_settings, APP, tmp_path / "worker.log", 1, 2)
+    try:
+        wait_until(lambda: sum(effects(engine, "audit").values()) == 3, timeout=60)
+    finally:
+        stop_process(worker)
+
+    before = checksums(dlq_settings)
+    plan = dlq_json(dlq_settings, "replay", "--stage", "publish", "--dry-run", "--reason", "r")
+    assert checksums(dlq_settings) == before
+    assert [s["action"] for s in plan["steps"]] == ["requeue"] * 3
+    assert "payments" in plan["steps"][0]["detail"] and "audit" in plan["steps"][0]["detail"]
+
+    scope = [dead[0]["id"], dead[1]["id"]]  # p0 and p1; p2 stays dead
+    result = dlq_json(
+        dlq_settings,
+        "replay",
+        "--stage",
+        "publish",
+        *[arg for i in scope for arg in ("--id", str(i))],
+        "--reason",
+        "queue fixed",
+    )
+    assert result["replayed"] == 2
+    assert rows(engine, "SELECT id, status, attempts FROM pipeline.outbox ORDER BY seq") == [
+        (ids["p0"], "pending", 0),
+        (ids["p1"], "pending", 0),
+        (ids["p2"], "dead", 1),
+    ]
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    relay = start_relay(dlq_settings, APP, tmp_path / "relay.log")
+    worker = start_worker(
+        dlq_settings, APP, tmp_path / "worker2.log", 1, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics)
+    )
+    try:
+        wait_until(lambda: sum(effects(engine, "payments").values()) == 2, timeout=60)
+        wait_until(
+            lambda: (
+                multiprocess_metric(metrics, "pipeline_inbox_duplicates_total", consumer="audit")
+                == 2
+            ),
+            timeout=60,
+        )
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+    assert effects(engine, "payments") == Counter({"p0": 1, "p1": 1})
+    assert effects(engine, "audit") == Counter({"p0": 1, "p1": 1, "p2": 1})  # copies dropped
+    statuses = rows(
+        engine,
+        "SELECT id, status, consumers FROM pipeline.outbox"
+        " WHERE event_type = 'order.placed' ORDER BY seq",
+    )
+    assert statuses == [
+        (ids["p0"], "sent", ["audit", "payments"]),
+        (ids["p1"], "sent", ["audit", "payments"]),
+        (ids["p2"], "dead", None),
+    ]
+    (record,) = dlq_json(dlq_settings, "audit")
+    assert (record["action"], record["affected"]) == ("dlq.replay", 2)
+    assert record["parameters"]["filter"] == {"stage": "publish", "id": scope}
+
+
+def test_sandbox_reports_the_handler_and_leaves_everything_unchanged(
+    engine, dlq_settings, tmp_path
+):
+    api = PaymentServer().start()
+    try:
+        env = {"TEST_PAYMENT_API": api.url}
+        relay = start_relay(dlq_settings, APP, tmp_path / "relay.log")
+        worker = start_worker(dlq_settings, APP, tmp_path / "worker.log", 1, 1, **env)
+        try:
+            (poison_id,) = produce(
+                engine, [NewEvent("order.placed", {"order_id": "s1", "poison": True})]
+            )
+            wait_until(
+                lambda: rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0] == 1,
+                timeout=60,
+            )
+        finally:
+            stop_process(worker)
+            stop_process(relay)
+        ledger_before = api.ledger.snapshot()
+        before = checksums(dlq_settings, skip=["audit_log"])
+        key = idempotency_key("payments", poison_id)
+
+        still_broken = dlq_json(dlq_settings, "replay", "--to-sandbox", "--reason", "check", **env)
+        (run,) = still_broken["runs"]
+        (outcome,) = run["results"]
+        assert (outcome["outcome"], outcome["error_class"]) == ("error", "Poison")
+        assert outcome["error"] == "Poison: cannot charge order s1"
+        assert outcome["retryable"] is False
+
+        set_broken(engine, False)
+        before = checksums(dlq_settings, skip=["audit_log"])
+        fixed = dlq_json(dlq_settings, "replay", "--to-sandbox", "--reason", "check fix", **env)
+        (run,) = fixed["runs"]
+        (outcome,) = run["results"]
+        assert outcome["outcome"] == "ok" and outcome["event_id"] == str(poison_id)
+        assert [p["type"] for p in outcome["published"]] == ["payment.charged"]
+        assert outcome["external_calls"] == [
+            {"method": "POST", "url": f"{api.url}/v1/charges", "idempotency_key": key}
+        ]
+        text_run = dlq(dlq_settings, "replay", "--to-sandbox", "--reason", "again", **env)
+        assert text_run.returncode == 0, text_run.stderr
+        assert "would publish payment.charged" in text_run.stdout
+        assert f"would call POST {api.url}/v1/charges (Idempotency-Key {key}; not sent)" in (
+            text_run.stdout
+        )
+        # nothing kept: every table but the audit log, and the payment API's ledger
+        assert checksums(dlq_settings, skip=["audit_log"]) == before
+        assert api.ledger.snapshot() == ledger_before
+        actions = dlq_json(dlq_settings, "audit")
+        assert [(a["action"], a["affected"]) for a in actions] == [("dlq.replay.sandbox", 1)] * 3
+        assert actions[1]["parameters"]["reason"] == "check fix"
+    finally:
+        api.stop()
+
+
+def fabricate(engine, count: int, key: str = "k") -> list[tuple[uuid.UUID, int]]:
+    """Consume-stage dead letters for ``count`` sent events of one key, dead-lettered in
+    reverse order (the newest event first); returns (event id, dead letter id) by seq."""
+    events = produce(
+        engine,
+        [NewEvent("order.placed", {"order_id": f"f{i}"}, aggregate_id=key) for i in range(count)],
+    )
+    made = []
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE pipeline.outbox SET status = 'sent', consumers = '{payments}'"))
+        for event_id in reversed(events):
+            conn.execute(
+                text(
+                    "INSERT INTO pipeline.inbox (consumer, event_id, event_type, status, attempts)"
+                    " VALUES ('payments', :e, 'order.placed', 'dead', 3)"
+                ),
+                {"e": event_id},
+            )
+            made.append(
+                conn.execute(
+                    text(
+                        "INSERT INTO pipeline.dead_letters (stage, event_id, consumer, event_type,"
+                        " queue, reason, error_class, error, attempts) VALUES ('consume', :e,"
+                        " 'payments', 'order.placed', 'pipeline.payments', 'gave up after 3"
+                        " attempts', 'Flaky', 'Flaky: down', 3) RETURNING id"
+                    ),
+                    {"e": event_id},
+                ).scalar()
+            )
+    return list(zip(events, reversed(made), strict=True))
+
+
+def test_replay_keeps_sequence_order_and_limit(engine, dlq_settings):
+    made = fabricate(engine, 5)
+    result = dlq_json(dlq_settings, "replay", "--limit", "3", "--rate", "50", "--reason", "r")
+    assert [r["id"] for r in result["results"]] == [d for _, d in made[:3]]
+    assert queues(dlq_settings)["pipeline.payments"] == [[str(e)] for e, _ in made[:3]]
+    (record,) = dlq_json(dlq_settings, "audit")
+    assert (record["parameters"]["limit"], record["parameters"]["rate"]) == (3, 50.0)
+    rest = dlq_json(dlq_settings, "replay", "--reason", "r")
+    assert [r["id"] for r in rest["results"]] == [d for _, d in made[3:]]
+
+
+def test_causation_chain_time_window_and_show(engine, dlq_settings):
+    from sqlalchemy.orm import Session
+
+    from pipeline import add_event
+
+    with Session(engine) as session, session.begin():
+        root = add_event(session, "order.placed", {"order_id": "c"})
+        child = add_event(session, "payment.charged", {"order_id": "c"}, causation_id=root)
+        grandchild = add_event(session, "stock.reserved", {"order_id": "c"}, causation_id=child)
+        other = add_event(session, "order.placed", {"order_id": "x"})
+    with engine.begin() as conn:
+        for event, consumer, age in (
+            (child, "shipping", "2 hours"),
+            (grandchild, "shipping", "10 minutes"),
+            (other, "payments", "3 days"),
+        ):
+            conn.execute(
+                text(
+                    "INSERT INTO pipeline.dead_letters (stage, event_id, consumer, event_type,"
+                    " reason, error_class, error, created_at, envelope) VALUES ('consume', :e, :c,"
+                    " 'x', 'gave up', 'Boom', 'Boom: secret-free', now() - CAST(:age AS interval),"
+                    " CAST(:env AS jsonb))"
+                ),
+                {
+                    "e": event,
+                    "c": consumer,
+                    "age": age,
+                    "env": json.dumps({"id": str(event), "data": {"card": "4242"}}),
+                },
+            )
+    chain = dlq_json(dlq_settings, "list", "--caused-by", str(root))
+    assert [d["event_id"] for d in chain] == [str(child), str(grandchild)]
+    recent = dlq_json(dlq_settings, "list", "--since", "1h")
+    assert [d["event_id"] for d in recent] == [str(grandchild)]
+    window = dlq_json(dlq_settings, "list", "--since", "4d", "--until", "1d")
+    assert [d["event_id"] for d in window] == [str(other)]
+    assert dlq_json(dlq_settings, "list", "--error-class", "Nope") == []
+
+    shown = dlq(dlq_settings, "show", str(chain[0]["id"]))
+    assert shown.returncode == 0, shown.stderr
+    assert "Boom: secret-free" in shown.stdout and f"pipeline trace {child}" in shown.stdout
+    assert "4242" not in shown.stdout  # the payload only with --payload
+    assert "4242" in dlq(dlq_settings, "show", str(chain[0]["id"]), "--payload").stdout
+
+
+def test_purge_needs_a_scope_deletes_only_dead_letters_and_is_audited(engine, dlq_settings):
+    made = fabricate(engine, 3)
+    one_line_error(
+        dlq(dlq_settings, "purge", "--reason", "r"), 2, "refusing to purge without a scope"
+    )
+    one_line_error(
+        dlq(dlq_settings, "purge", "--all", "--stage", "consume", "--reason", "r"), 2, "not both"
+    )
+    before = checksums(dlq_settings)
+    plan = dlq_json(dlq_settings, "purge", "--consumer", "payments", "--dry-run", "--reason", "r")
+    assert plan["would_delete"] == 3
+    assert checksums(dlq_settings) == before
+    result = dlq_json(dlq_settings, "purge", "--id", str(made[0][1]), "--reason", "handled by hand")
+    assert result["deleted"] == [made[0][1]]
+    assert rows(engine, "SELECT count(*) FROM pipeline.dead_letters") == [(2,)]
+    # the inbox row stays dead: nothing runs again, nothing is owed
+    assert rows(engine, "SELECT status FROM pipeline.inbox WHERE event_id = :e", e=made[0][0]) == [
+        ("dead",)
+    ]
+    everything = dlq_json(dlq_settings, "purge", "--all", "--reason", "clean slate")
+    assert sorted(everything["deleted"]) == sorted(d for _, d in made[1:])
+    actions = dlq_json(dlq_settings, "audit")
+    assert [(a["action"], a["affected"], a["parameters"]["filter"]) for a in actions] == [
+        ("dlq.purge", 2, {"all": True}),
+        ("dlq.purge", 1, {"id": [made[0][1]]}),
+    ]
+    assert actions[1]["parameters"]["reason"] == "handled by hand"
+    assert {a["actor"] for a in actions} == {getpass.getuser()}
+
+
+def test_bad_arguments_and_unknown_ids_are_one_line(dlq_settings):
+    one_line_error(dlq(dlq_settings, "show", "999999"), 1, "no dead letter #999999")
+    one_line_error(dlq(dlq_settings, "show", "abc"), 2, "'abc' is not a valid integer")
+    one_line_error(
+        dlq(dlq_settings, "replay", "--id", "424242", "--reason", "r"), 1, "no dead letter #424242"
+    )
+    one_line_error(
+        dlq(dlq_settings, "list", "--since", "yesterday"), 2, "neither an ISO-8601 timestamp"
+    )
+    one_line_error(dlq(dlq_settings, "list", "--event-id", "nope"), 2, "is not an event id")
+    one_line_error(dlq(dlq_settings, "list", "--stage", "both"), 2, "--stage")
+    one_line_error(dlq(dlq_settings, "replay"), 2, "Missing option '--reason'")
+    one_line_error(dlq(dlq_settings, "purge", "--all"), 2, "Missing option '--reason'")
+    one_line_error(dlq(dlq_settings, "replay", "--reason", " "), 2, "--reason must say why")
+    one_line_error(dlq(dlq_settings, "replay", "--rate", "0", "--reason", "r"), 2, "--rate")
+    one_line_error(
+        dlq(dlq_settings, "replay", "--to-sandbox", "--stage", "publish", "--reason", "r"),
+        2,
+        "--to-sandbox runs consume-stage dead letters",
+    )
+    assert dlq_json(dlq_settings, "list") == []
+    assert dlq(dlq_settings, "list").stdout.strip() == "no dead letters match"
+
+
+def test_consumer_unknown_to_registry_and_without_queue_is_refused(engine, dlq_settings):
+    (event,) = produce(engine, [NewEvent("order.placed", {"order_id": "u"})])
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO pipeline.dead_letters (stage, event_id, consumer, reason, error_class,"
+                " error) VALUES ('consume', :e, 'retired', 'gave up', 'Boom', 'Boom')"
+            ),
+            {"e": event},
+        )
+    before = checksums(dlq_settings)
+    result = dlq(dlq_settings, "replay", "--reason", "r")
+    one_line_error(result, 1, "no queue known for consumer(s) retired")
+    assert checksums(dlq_settings) == before
+    plan = dlq_json(dlq_settings, "replay", "--dry-run", "--reason", "r")
+    assert plan["steps"][0]["action"] == "unroutable"
+
+
+def test_replay_skips_what_the_consumer_processed_since_and_uses_kept_envelopes(
+    engine, dlq_settings
+):
+    (done, _), (gone, gone_letter) = fabricate(engine, 2)
+    envelope = queue_free_envelope(engine, gone)
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE pipeline.inbox SET status = 'processed' WHERE event_id = :e"), {"e": done}
+        )
+        conn.execute(
+            text("UPDATE pipeline.dead_letters SET envelope = CAST(:env AS jsonb) WHERE id = :d"),
+            {"env": json.dumps(envelope), "d": gone_letter},
+        )
+        conn.execute(text("DELETE FROM pipeline.outbox WHERE id = :e"), {"e": gone})
+    result = dlq_json(dlq_settings, "replay", "--reason", "r")
+    first = result["results"][0]
+    assert (first["outcome"], first["detail"]) == (
+        "skipped",
+        "payments has processed the event since: nothing is owed (purge this one)",
+    )
+    assert result["results"][1]["outcome"] == "replayed"
+    # the pruned event travels again from the envelope the consumer was given
+    (message,) = queue_messages(dlq_settings, "pipeline.payments")
+    assert message["args"][0] == [envelope]
+
+
+def queue_free_envelope(engine, event_id: uuid.UUID) -> dict[str, Any]:
+    """The envelope the relay makes of an outbox row (as a consumer received it)."""
+    from pipeline.envelope import OutboxEvent, encode_envelope
+
+    (row,) = rows(
+        engine,
+        "SELECT id, seq, aggregate_type, aggregate_id, ordering_key, event_type, event_version,"
+        " payload::text, headers::text, attempts, created_at FROM pipeline.outbox WHERE id = :e",
+        e=event_id,
+    )
+    return json.loads(encode_envelope(OutboxEvent(*row), "/pipeline/pipeline"))
