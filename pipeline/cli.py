@@ -318,6 +318,7 @@ def status(
 
 
 cli.add_command(__import__("pipeline.demo.cli", fromlist=["demo"]).demo)  # cheap: click only
+cli.add_command(__import__("pipeline.drill.cli", fromlist=["drill"]).drill)  # cheap: click only
 
 
 @cli.command("trace")
