@@ -155,6 +155,11 @@ def build_report(facts: RunFacts, check: CheckResult) -> dict[str, Any]:
     }
 
 
+def exit_code(report: dict[str, Any]) -> int:
+    """The drill's exit status: 0 when every guarantee held, 1 on any violation."""
+    return 0 if report["ok"] and not report["violations"] else 1
+
+
 def _n(value: int) -> str:
     return f"{value:,}"
 

@@ -47,7 +47,13 @@ from pipeline.drill.faults import (
 )
 from pipeline.drill.fleet import Fleet
 from pipeline.drill.proxy import ProxyProcess
-from pipeline.drill.report import RunFacts, build_report, duplicates_from_metrics, render_text
+from pipeline.drill.report import (
+    RunFacts,
+    build_report,
+    duplicates_from_metrics,
+    exit_code,
+    render_text,
+)
 from pipeline.drill.sql import DrillQueries
 from pipeline.drill.workflow import API_URL_ENV, APP_SCHEMA_ENV, CONSUMERS, EVENT_TYPES, ROUTES
 from pipeline.drill.workload import Producer, SkewSegment, plan_orders
@@ -306,7 +312,7 @@ class _Drill:
             self.keep_logs = True
             report["notes"].append(f"process logs kept in {self.work_dir}")
         click.echo(json.dumps(report, indent=2) if options.as_json else render_text(report))
-        return 0 if report["ok"] else 1
+        return exit_code(report)
 
     # -- set-up ----------------------------------------------------------------------------
     def _servers(self) -> _Servers:
