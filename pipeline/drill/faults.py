@@ -53,6 +53,7 @@ DESCRIPTIONS = {
 OWNED_ONLY = frozenset(kind for kind in KINDS if kind.startswith(("postgres-", "redis-")))
 """Faults done to a server, which the drill does only to servers it started itself."""
 STAGING_KINDS = tuple(kind for kind in KINDS if kind not in OWNED_ONLY)
+FIND_CONNECTIONS_SECONDS = 5.0
 
 
 @dataclass
@@ -186,8 +187,13 @@ class Injector:
             members = [self.rng.choice(members)]
         fault.target = ", ".join(member.name for member in members)
         names = [member.application_name for member in members]
+        deadline = time.monotonic() + FIND_CONNECTIONS_SECONDS
         with psycopg.connect(self.database_url, autocommit=True, connect_timeout=10) as conn:
-            found = conn.execute(self.queries.text(query), {"names": names}).fetchall()
+            while True:  # right after another fault the processes may still be reconnecting
+                found = conn.execute(self.queries.text(query), {"names": names}).fetchall()
+                if found or time.monotonic() > deadline:
+                    break
+                self.wait(0.2)
             pids = [row[0] for row in found]
             if not pids:
                 return f"no connection of {fault.target} found"

@@ -175,7 +175,8 @@ WHERE back;
 
 -- name: failed_attempts
 -- Failed attempts by stage, consumer and error class, with one of their messages.
-SELECT stage, coalesce(consumer, ''), error_class, count(*), left(min(error), 160)
+SELECT stage, coalesce(consumer, ''), error_class, count(*),
+       left(split_part(min(error), E'\n', 1), 160)
 FROM {schema}.attempts
 GROUP BY stage, consumer, error_class
 ORDER BY stage, consumer, error_class;

@@ -34,6 +34,7 @@ class RunFacts:
     faults: list[Fault]
     exits: list[Exit]
     recovery_from: float | None  # wall clock: the last fault's end (or the last order's)
+    recovery_after: str  # "the last fault" or "the last order", whichever came later
     recovered_at: float | None  # wall clock at which the backlog was back to zero
     recovery_timeout: float
     clock_offset: float  # database clock minus this machine's clock, seconds
@@ -82,6 +83,7 @@ def build_report(facts: RunFacts, check: CheckResult) -> dict[str, Any]:
     recovery: dict[str, Any] = {
         "timeout_seconds": facts.recovery_timeout,
         "seconds": None,
+        "after": facts.recovery_after,
     }
     if facts.recovered_at is not None and facts.recovery_from is not None:
         recovery["seconds"] = round(max(0.0, facts.recovered_at - facts.recovery_from), 2)
@@ -91,7 +93,7 @@ def build_report(facts: RunFacts, check: CheckResult) -> dict[str, Any]:
                 "kind": "recovery",
                 "count": 1,
                 "message": f"the backlog was not back to zero within {facts.recovery_timeout:g} s "
-                "of the last fault",
+                f"of {facts.recovery_after}",
                 "examples": [],
             }
         )
@@ -264,13 +266,13 @@ def _recovery(report: dict[str, Any]) -> list[str]:
     if recovery["seconds"] is not None:
         return [
             "",
-            f"recovery: backlog back to zero {recovery['seconds']:g} s after the last fault "
+            f"recovery: backlog back to zero {recovery['seconds']:g} s after {recovery['after']} "
             f"(bound {recovery['timeout_seconds']:g} s)",
         ]
     return [
         "",
         f"recovery: backlog NOT back to zero within {recovery['timeout_seconds']:g} s "
-        "of the last fault",
+        f"of {recovery['after']}",
     ]
 
 

@@ -258,32 +258,12 @@ class _Drill:
             f"run {self.run_id}, seed {self.seed}: {len(plan)} orders at "
             f"{options.rate:g}/s, {len(faults)} faults ({kinds})"
         )
-        self.started = time.time()
-        began = time.monotonic()
-        producer.start()
-
-        def stop_producer() -> None:
-            producer.stop.set()
-            producer.join(30)
-
-        self.cleanup.push("stop the producer", stop_producer)
-        pending = sorted(injected, key=lambda f: f.offset)
-        shown = began
-        while pending or producer.is_alive():
-            self._watch(fleet, producer)
-            if pending and time.monotonic() - began >= pending[0].offset:
-                fault = pending.pop(0)
-                injector.inject(fault)
-                _say(f"+{time.time() - self.started:6.1f} s {fault.kind}: {fault.detail}")
-                continue
-            if time.monotonic() - shown >= PROGRESS_INTERVAL:
-                shown = time.monotonic()
-                _say(f"+{time.time() - self.started:6.1f} s placed {producer.placed}/{len(plan)}")
-            time.sleep(0.05)
-        self._watch(fleet, producer)
+        self._produce(fleet, producer, injector, injected, len(plan))
         done_faults = injector.done + list(skews.values())
-        ends = [f.ended for f in done_faults if f.ended is not None]
-        recovery_from = max([*ends, producer.finished_at or time.time()])
+        last_fault = max((f.ended for f in done_faults if f.ended is not None), default=0.0)
+        last_order = producer.finished_at or time.time()
+        recovery_from = max(last_fault, last_order)
+        recovery_after = "the last fault" if last_fault >= last_order else "the last order"
         recovered_at = self._recover(fleet, servers.database_url, recovery_from)
         facts = RunFacts(
             run=self.run_id,
@@ -296,6 +276,7 @@ class _Drill:
             faults=done_faults,
             exits=fleet.exits,
             recovery_from=recovery_from,
+            recovery_after=recovery_after,
             recovered_at=recovered_at,
             recovery_timeout=options.recovery_timeout,
             clock_offset=clock_offset,
@@ -313,6 +294,39 @@ class _Drill:
             report["notes"].append(f"process logs kept in {self.work_dir}")
         click.echo(json.dumps(report, indent=2) if options.as_json else render_text(report))
         return exit_code(report)
+
+    def _produce(
+        self,
+        fleet: Fleet,
+        producer: Producer,
+        injector: Injector,
+        faults: list[Fault],
+        orders: int,
+    ) -> None:
+        """Place the orders while injecting the faults as they fall due, one after another."""
+        self.started = time.time()
+        began = time.monotonic()
+        producer.start()
+
+        def stop_producer() -> None:
+            producer.stop.set()
+            producer.join(30)
+
+        self.cleanup.push("stop the producer", stop_producer)
+        pending = sorted(faults, key=lambda f: f.offset)
+        shown = began
+        while pending or producer.is_alive():
+            self._watch(fleet, producer)
+            if pending and time.monotonic() - began >= pending[0].offset:
+                fault = pending.pop(0)
+                injector.inject(fault)
+                _say(f"+{time.time() - self.started:6.1f} s {fault.kind}: {fault.detail}")
+                continue
+            if time.monotonic() - shown >= PROGRESS_INTERVAL:
+                shown = time.monotonic()
+                _say(f"+{time.time() - self.started:6.1f} s placed {producer.placed}/{orders}")
+            time.sleep(0.05)
+        self._watch(fleet, producer)
 
     # -- set-up ----------------------------------------------------------------------------
     def _servers(self) -> _Servers:

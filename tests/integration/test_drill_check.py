@@ -193,6 +193,7 @@ def run_check(settings: Any, queries: DrillQueries, api: PaymentServer) -> dict[
         faults=[Fault("worker-kill", 0.0, started=0.0, ended=1.0, detail="crafted")],
         exits=[],
         recovery_from=1.0,
+        recovery_after="the last fault",
         recovered_at=2.0,
         recovery_timeout=10.0,
         clock_offset=0.0,
@@ -286,9 +287,7 @@ def test_each_broken_guarantee_is_reported_and_the_exit_code_is_non_zero(
     assert report["losses"]["total"] == 2
 
 
-def test_an_unsent_event_and_a_missed_recovery_bound_are_violations(
-    engine, settings, queries, api
-):
+def test_an_unsent_event_and_a_missed_recovery_bound_are_violations(engine, settings, queries, api):
     shop = Shop(engine, queries, api.url)
     shop.place(1, 1)  # never published, never processed
 
@@ -296,10 +295,21 @@ def test_an_unsent_event_and_a_missed_recovery_bound_are_violations(
     with psycopg.connect(settings.require_database_url(), autocommit=True) as conn:
         check = check_run(conn, queries, ledger)
     facts = RunFacts(
-        run=RUN, seed=1, options={"rate": 1.0}, setup={}, started=0.0, faults=[], exits=[],
-        recovery_from=1.0, recovered_at=None, recovery_timeout=5.0, clock_offset=0.0,
-        duplicates_absorbed=None, wall_seconds=6.0,
-    )  # fmt: skip
+        run=RUN,
+        seed=1,
+        options={"rate": 1.0},
+        setup={},
+        started=0.0,
+        faults=[],
+        exits=[],
+        recovery_from=1.0,
+        recovery_after="the last order",
+        recovered_at=None,
+        recovery_timeout=5.0,
+        clock_offset=0.0,
+        duplicates_absorbed=None,
+        wall_seconds=6.0,
+    )
     report = build_report(facts, check)
     found = kinds(report)
 
