@@ -191,7 +191,7 @@ class Injector:
         with psycopg.connect(self.database_url, autocommit=True, connect_timeout=10) as conn:
             while True:  # right after another fault the processes may still be reconnecting
                 found = conn.execute(self.queries.text(query), {"names": names}).fetchall()
-                if found or time.monotonic() > deadline:
+                if {row[1] for row in found} >= set(names) or time.monotonic() > deadline:
                     break
                 self.wait(0.2)
             pids = [row[0] for row in found]
@@ -199,6 +199,12 @@ class Injector:
                 return f"no connection of {fault.target} found"
             row = conn.execute(self.queries.text("terminate"), {"pids": pids}).fetchone()
         terminated = int(row[0]) if row else 0
-        busy = sum(1 for row in found if len(row) > 2 and row[2] not in ("idle", None))
-        extra = f" ({busy} in a statement or transaction)" if query == "app_backends" else ""
-        return f"terminated {terminated} connections of {fault.target}{extra}"
+        extra = []
+        if query == "app_backends":
+            busy = sum(1 for row in found if row[2] not in ("idle", None))
+            extra.append(f"{busy} in a statement or transaction")
+        missing = [m.name for m in members if m.application_name not in {r[1] for r in found}]
+        if missing:
+            extra.append(f"none found of {', '.join(missing)}")
+        detail = f" ({'; '.join(extra)})" if extra else ""
+        return f"terminated {terminated} connections of {fault.target}{detail}"

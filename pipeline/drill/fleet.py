@@ -69,10 +69,11 @@ class Fleet:
     exits: list[Exit] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        for kind, count in (("relay", self.relays), ("worker", self.workers)):
+        counts: tuple[tuple[Kind, int], ...] = (("relay", self.relays), ("worker", self.workers))
+        for kind, count in counts:
             for number in range(1, count + 1):
                 name = f"{kind}-{number}"
-                self.members.append(Member(name, kind, f"drill-{self.run}-{name}"))  # type: ignore[arg-type]
+                self.members.append(Member(name, kind, f"drill-{self.run}-{name}"))
 
     def of(self, kind: Kind) -> list[Member]:
         return [member for member in self.members if member.kind == kind]
@@ -90,6 +91,9 @@ class Fleet:
             self.start(member)
 
     def start(self, member: Member) -> None:
+        """Start the member's next incarnation (nothing if its process is still running)."""
+        if member.running():
+            return
         member.incarnation += 1
         member.expected_exit = False
         stem = f"{member.name}.{member.incarnation}"
@@ -149,8 +153,10 @@ class Fleet:
         return dead
 
     def tail(self, member: Member, lines: int = 2) -> str:
+        if member.log_path is None:
+            return ""
         try:
-            text = (member.log_path or Path()).read_text("utf-8", "replace").strip().splitlines()
+            text = member.log_path.read_text("utf-8", "replace").strip().splitlines()
         except OSError:
             return ""
         return " | ".join(line.strip()[:300] for line in text[-lines:])
@@ -173,7 +179,9 @@ class Fleet:
 
 
 def _count(path: Path | None, needle: str) -> int:
+    if path is None:
+        return 0
     try:
-        return (path or Path()).read_text("utf-8", "replace").count(needle)
+        return path.read_text("utf-8", "replace").count(needle)
     except OSError:
         return 0

@@ -34,6 +34,7 @@ from typing import IO, Any
 import click
 import httpx
 import psycopg
+from sqlalchemy.exc import DBAPIError
 
 from pipeline.config import Settings, configure, libpq_url, load_settings, redact_url
 from pipeline.drill.check import check_run
@@ -356,7 +357,9 @@ class _Drill:
                 self.cleanup.push("stop the drill's Redis", lambda: redis.close(self.options.keep))
                 redis.start()
                 redis_url = redis.url
-                setup["redis"] = "the drill's own (throwaway, AOF fsync always between faults)"
+                setup["redis"] = "the drill's own (throwaway, AOF fsync always between faults)" + (
+                    f", data kept in {redis.data_dir}" if options.keep else ""
+                )
             else:
                 redis_url = options.redis_url
                 setup["redis"] = f"given {redact_url(redis_url)} (never restarted)"
@@ -384,8 +387,11 @@ class _Drill:
                 connection.exec_driver_sql(self.queries.text("create_schema"))
                 upgrade(connection, self.schema)
                 connection.exec_driver_sql(self.queries.text("create_tables"))
-        except psycopg.Error as exc:
-            raise DrillError(f"cannot prepare the database: {exc}") from None
+        except DBAPIError as exc:  # refused (privileges, a name taken): one line, no traceback
+            detail = str(exc.orig or exc).strip().splitlines()
+            raise DrillError(
+                f"cannot prepare the database: {detail[0] if detail else type(exc).__name__}"
+            ) from None
         finally:
             engine.dispose()
         if self.options.database_url is not None and not self.options.keep:

@@ -94,10 +94,15 @@ def test_staging_mode_never_touches_what_it_did_not_create(
 def test_a_server_fault_against_a_given_server_is_refused_in_one_line():
     result = subprocess.run(
         [
-            sys.executable, "-m", "pipeline.cli", "drill",
-            "--database-url", "postgresql://nobody@127.0.0.1:1/none",
-            "--fault-kinds", "worker-kill,postgres-restart-immediate",
-        ],  # fmt: skip
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "drill",
+            "--database-url",
+            "postgresql://nobody@127.0.0.1:1/none",
+            "--fault-kinds",
+            "worker-kill,postgres-restart-immediate",
+        ],
         capture_output=True,
         text=True,
         timeout=60,
