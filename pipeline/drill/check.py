@@ -216,7 +216,7 @@ def _check_deliveries(result: CheckResult, rows: Any) -> None:
                     ordering_key=row[9], seq=int(row[10]),
                 )
             )  # fmt: skip
-    result.undelivered = _mark_held(undelivered)
+    result.undelivered = mark_held(undelivered)
     result.add("duplicate-effect", duplicates, "a consumer's work committed more than once")
     result.add("inconsistent", inconsistent, "an effect and its inbox record disagree")
     result.add(
@@ -235,7 +235,7 @@ def _check_deliveries(result: CheckResult, rows: Any) -> None:
     )
 
 
-def _mark_held(undelivered: list[Undelivered]) -> list[Undelivered]:
+def mark_held(undelivered: list[Undelivered]) -> list[Undelivered]:
     """Ordered consumers wait for a key's earlier events: after the first undelivered event
     of a key, the key's later ones are held behind it (they may be lost as well)."""
     ordered = set(ORDERED_CONSUMERS)

@@ -1,4 +1,4 @@
-"""The drill's fault schedule and order plan: seeded, complete, and within their bounds."""
+"""The drill's pure parts: fault schedule, order plan, held losses and their probable cause."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ from collections import Counter
 
 import pytest
 
-from pipeline.drill.faults import KINDS, OWNED_ONLY, STAGING_KINDS, schedule
+from pipeline.drill.check import Undelivered, mark_held
+from pipeline.drill.faults import KINDS, OWNED_ONLY, STAGING_KINDS, Fault, schedule
+from pipeline.drill.report import probable_cause
 from pipeline.drill.runner import DrillError, DrillOptions, allowed_kinds
+from pipeline.drill.workflow import LEDGER, PAYMENTS
 from pipeline.drill.workload import plan_orders
 
 
@@ -64,3 +67,37 @@ def test_the_plan_numbers_each_accounts_orders_in_sequence_with_poison_among_the
     amounts = {type(o.payload()["amount_cents"]) for o in plan if not o.poison}
     assert amounts == {int}
     assert {o.payload()["amount_cents"] for o in plan if o.poison} == {"12,50"}
+
+
+def lost(consumer: str, seq: int, key: str | None, published: float | None = 10.0) -> Undelivered:
+    return Undelivered(
+        consumer, f"e{seq}", "order.placed", f"o{seq}", "sent", published, None, key, seq
+    )
+
+
+def test_later_events_of_an_ordered_key_are_held_behind_its_first_undelivered_one():
+    marked = mark_held(
+        [
+            lost(LEDGER, 7, "account:a"),
+            lost(LEDGER, 3, "account:a"),
+            lost(LEDGER, 5, "account:b"),
+            lost(PAYMENTS, 4, "account:a"),  # unordered: never held
+            lost(PAYMENTS, 6, "account:a"),
+        ]
+    )
+    held = {(u.consumer, u.seq) for u in marked if u.held}
+    assert held == {(LEDGER, 7)}
+    assert len(marked) == 5
+
+
+def test_a_loss_is_laid_at_the_fault_in_progress_at_its_publication_else_the_next():
+    faults = [
+        Fault("redis-down", 0.0, started=100.0, ended=105.0),
+        Fault("worker-kill", 0.0, started=110.0, ended=112.0),
+    ]
+    assert probable_cause(lost(PAYMENTS, 1, None, 102.0), faults, 0.0) == "redis-down"
+    assert probable_cause(lost(PAYMENTS, 1, None, 107.0), faults, 0.0) == "worker-kill"
+    assert probable_cause(lost(PAYMENTS, 1, None, 120.0), faults, 0.0) == "after the last fault"
+    assert probable_cause(lost(PAYMENTS, 1, None, None), faults, 0.0) == "not published"
+    # the database's clock runs 50 s ahead of the drill's
+    assert probable_cause(lost(PAYMENTS, 1, None, 152.0), faults, 50.0) == "redis-down"
