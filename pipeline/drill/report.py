@@ -40,6 +40,7 @@ class RunFacts:
     clock_offset: float  # database clock minus this machine's clock, seconds
     duplicates_absorbed: dict[str, int] | None
     wall_seconds: float
+    production_seconds: float | None = None  # first order to last commit; None: unfinished
     notes: list[str] = field(default_factory=list)
 
 
@@ -153,6 +154,9 @@ def build_report(facts: RunFacts, check: CheckResult) -> dict[str, Any]:
         ],
         "notes": facts.notes,
         "wall_seconds": round(facts.wall_seconds, 1),
+        "production_seconds": (
+            round(facts.production_seconds, 1) if facts.production_seconds is not None else None
+        ),
         "violations": violations,
     }
 
@@ -178,10 +182,15 @@ def _head(report: dict[str, Any]) -> list[str]:
     violations = report["violations"]
     verdict = "PASSED" if report["ok"] else f"FAILED ({len(violations)} violations)"
     events = report["events"]
+    produced = report.get("production_seconds")
+    placed = events["orders"] + events["poison"]
+    rate = f"{report['options']['rate']:g}/s asked"
+    if produced:
+        rate = f"{placed / produced:.0f}/s ({rate})"
     lines = [
         f"pipeline drill: {verdict}",
         f"run {report['run']}, seed {report['seed']}: {_n(events['orders'])} orders "
-        f"(+{events['poison']} poison) at {report['options']['rate']:g}/s, "
+        f"(+{events['poison']} poison) at {rate}, "
         f"{report['faults']['total']} faults, {report['wall_seconds']:g} s",
     ]
     lines += [f"  {name}: {value}" for name, value in report["setup"].items()]

@@ -265,7 +265,7 @@ class _Drill:
             f"run {self.run_id}, seed {self.seed}: {len(plan)} orders at "
             f"{options.rate:g}/s, {len(faults)} faults ({kinds})"
         )
-        self._produce(fleet, producer, injector, injected, len(plan))
+        self._produce(fleet, producer, injector, injected, len(plan), window)
         done_faults = injector.done + list(skews.values())
         last_fault = max((f.ended for f in done_faults if f.ended is not None), default=0.0)
         last_order = producer.finished_at or time.time()
@@ -289,6 +289,9 @@ class _Drill:
             clock_offset=clock_offset,
             duplicates_absorbed=duplicates_from_metrics(fleet.metrics_dirs()),
             wall_seconds=0.0,
+            production_seconds=(
+                producer.finished_at - self.started if producer.finished_at is not None else None
+            ),
             notes=self.notes,
         )
         ledger = self._ledger(api_url)
@@ -309,8 +312,14 @@ class _Drill:
         injector: Injector,
         faults: list[Fault],
         orders: int,
+        window: float,
     ) -> None:
-        """Place the orders while injecting the faults as they fall due, one after another."""
+        """Place the orders while injecting the faults as they fall due, one after another.
+
+        A fault falls due when production reaches its share of the orders (its offset in
+        the planned window), so faults spread over the orders even when the machine places
+        them slower than ``--rate``.
+        """
         self.started = time.time()
         began = time.monotonic()
         producer.start()
@@ -324,7 +333,10 @@ class _Drill:
         shown = began
         while pending or producer.is_alive():
             self._watch(fleet, producer)
-            if pending and time.monotonic() - began >= pending[0].offset:
+            due = pending and (
+                producer.placed >= pending[0].offset / window * orders or not producer.is_alive()
+            )
+            if due:
                 fault = pending.pop(0)
                 injector.inject(fault)
                 _say(f"+{time.time() - self.started:6.1f} s {fault.kind}: {fault.detail}")
