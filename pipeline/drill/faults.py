@@ -3,8 +3,9 @@
 The schedule comes from the seeded RNG: which kinds (every selected kind at least once when
 there are enough faults), at which points of the production window, on which targets, for
 how long. Faults run one after another on the drill's main thread when production reaches
-their point; one that falls due while the previous is still running starts right after it. ``clock-skew`` is not injected here:
-it is a segment of the producer's plan placed by a producer process with a shifted clock.
+their point; one that falls due while the previous is still running starts right after it.
+``clock-skew`` is not injected here: it is a segment of the producer's plan placed by a
+producer process with a shifted clock.
 """
 
 from __future__ import annotations
