@@ -391,6 +391,7 @@ def status(
 
 cli.add_command(__import__("pipeline.demo.cli", fromlist=["demo"]).demo)  # cheap: click only
 cli.add_command(__import__("pipeline.cli_dlq", fromlist=["dlq"]).dlq)  # cheap: click only
+cli.add_command(__import__("pipeline.drill.cli", fromlist=["drill"]).drill)  # cheap: click only
 
 
 @cli.command("trace")

@@ -1,0 +1,103 @@
+"""The drill's pure parts: fault schedule, order plan, held losses and their probable cause."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from pipeline.drill.check import Undelivered, mark_held
+from pipeline.drill.faults import KINDS, OWNED_ONLY, STAGING_KINDS, Fault, schedule
+from pipeline.drill.report import probable_cause
+from pipeline.drill.runner import DrillError, DrillOptions, allowed_kinds
+from pipeline.drill.workflow import LEDGER, PAYMENTS
+from pipeline.drill.workload import plan_orders
+
+
+def test_every_kind_at_least_once_when_there_are_enough_faults():
+    faults = schedule(KINDS, 40, 100.0, random.Random(3))
+    counts = Counter(f.kind for f in faults)
+    assert len(faults) == 40
+    assert set(counts) == set(KINDS)
+    assert all(5.0 <= f.offset <= 90.0 for f in faults)
+    assert [f.offset for f in faults] == sorted(f.offset for f in faults)
+
+
+def test_fewer_faults_than_kinds_take_distinct_kinds():
+    faults = schedule(KINDS, 4, 10.0, random.Random(1))
+    assert len({f.kind for f in faults}) == 4
+
+
+def test_the_same_seed_gives_the_same_schedule():
+    def plan(seed: int) -> list[tuple[str, float, str, float]]:
+        return [
+            (f.kind, f.offset, f.target, f.seconds)
+            for f in schedule(KINDS, 20, 60.0, random.Random(seed))
+        ]
+
+    assert plan(9) == plan(9)
+    assert plan(9) != plan(10)
+
+
+def test_given_servers_are_never_restarted():
+    staging = DrillOptions(database_url="postgresql://h/db", redis_url="redis://h:6379/0")
+    assert allowed_kinds(staging) == STAGING_KINDS
+    assert not set(allowed_kinds(staging)) & OWNED_ONLY
+    own_redis = DrillOptions(database_url="postgresql://h/db")
+    assert {k for k in allowed_kinds(own_redis) if k.startswith("redis-")} == {
+        k for k in KINDS if k.startswith("redis-")
+    }
+    assert not any(k.startswith("postgres-") for k in allowed_kinds(own_redis))
+    with pytest.raises(DrillError, match="'redis-down' restarts a server"):
+        allowed_kinds(DrillOptions(redis_url="redis://h:6379/0", fault_kinds=("redis-down",)))
+    with pytest.raises(DrillError, match="unknown fault kind 'reboot'"):
+        allowed_kinds(DrillOptions(fault_kinds=("reboot",)))
+
+
+def test_the_plan_numbers_each_accounts_orders_in_sequence_with_poison_among_them():
+    plan = plan_orders("r", 1000, 3, random.Random(4))
+    assert len(plan) == 1003 and sum(o.poison for o in plan) == 3
+    assert len({o.order_id for o in plan}) == 1003
+    seen: dict[str, int] = {}
+    for order in plan:
+        assert order.n == seen.get(order.account, 0) + 1
+        seen[order.account] = order.n
+    assert len(seen) == 25  # about forty orders per account
+    amounts = {type(o.payload()["amount_cents"]) for o in plan if not o.poison}
+    assert amounts == {int}
+    assert {o.payload()["amount_cents"] for o in plan if o.poison} == {"12,50"}
+
+
+def lost(consumer: str, seq: int, key: str | None, published: float | None = 10.0) -> Undelivered:
+    return Undelivered(
+        consumer, f"e{seq}", "order.placed", f"o{seq}", "sent", published, None, key, seq
+    )
+
+
+def test_later_events_of_an_ordered_key_are_held_behind_its_first_undelivered_one():
+    marked = mark_held(
+        [
+            lost(LEDGER, 7, "account:a"),
+            lost(LEDGER, 3, "account:a"),
+            lost(LEDGER, 5, "account:b"),
+            lost(PAYMENTS, 4, "account:a"),  # unordered: never held
+            lost(PAYMENTS, 6, "account:a"),
+        ]
+    )
+    held = {(u.consumer, u.seq) for u in marked if u.held}
+    assert held == {(LEDGER, 7)}
+    assert len(marked) == 5
+
+
+def test_a_loss_is_laid_at_the_fault_in_progress_at_its_publication_else_the_next():
+    faults = [
+        Fault("redis-down", 0.0, started=100.0, ended=105.0),
+        Fault("worker-kill", 0.0, started=110.0, ended=112.0),
+    ]
+    assert probable_cause(lost(PAYMENTS, 1, None, 102.0), faults, 0.0) == "redis-down"
+    assert probable_cause(lost(PAYMENTS, 1, None, 107.0), faults, 0.0) == "worker-kill"
+    assert probable_cause(lost(PAYMENTS, 1, None, 120.0), faults, 0.0) == "after the last fault"
+    assert probable_cause(lost(PAYMENTS, 1, None, None), faults, 0.0) == "not published"
+    # the database's clock runs 50 s ahead of the drill's
+    assert probable_cause(lost(PAYMENTS, 1, None, 152.0), faults, 50.0) == "redis-down"
