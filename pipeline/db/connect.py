@@ -94,8 +94,17 @@ def connect(
 
 
 def make_engine(settings: Settings, **kwargs: Any) -> Engine:
-    """A SQLAlchemy engine on psycopg 3 for the configured database."""
-    return create_engine(settings.sqlalchemy_url(), connect_args={"connect_timeout": 10}, **kwargs)
+    """A SQLAlchemy engine on psycopg 3 for the configured database.
+
+    ``hide_parameters``: SQLAlchemy's errors otherwise quote the statement's parameters —
+    event payloads — and those errors reach logs (a worker whose connection died).
+    """
+    return create_engine(
+        settings.sqlalchemy_url(),
+        connect_args={"connect_timeout": 10},
+        hide_parameters=True,
+        **kwargs,
+    )
 
 
 @contextmanager

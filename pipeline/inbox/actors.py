@@ -99,6 +99,12 @@ class DeadLetterUnknownActors(Middleware):
     def before_nack(self, broker: Any, message: Any) -> None:
         """Every message Dramatiq rejects passes here: unknown actors and exhausted retries."""
         exception = getattr(message, "_exception", None)
+        if not isinstance(exception, ActorNotFound) and not message.actor_name.startswith(
+            ACTOR_PREFIX
+        ):
+            # Another of the pipeline's actors (the publishing actor, which never retries:
+            # its leases expire and its events are claimed again) carries no delivery.
+            return
         if isinstance(exception, ActorNotFound):
             reason = (
                 f"message names actor {message.actor_name!r}, which no consumer in this worker "

@@ -40,6 +40,7 @@ from sqlalchemy.orm import Session
 
 from pipeline.backoff import full_jitter
 from pipeline.config import Settings
+from pipeline.db.ordering import ordering_lock_bucket
 from pipeline.db.queries import queries_for
 from pipeline.envelope import EnvelopeError, ReceivedEvent, decode_envelope
 from pipeline.errors import error_text
@@ -167,7 +168,10 @@ class InboxProcessor:
                 self._duplicate_span(event)
             else:
                 batch[event.id] = (envelope, event)
-        runs = list(batch.values())
+        # Handled in the lock order of their ordering keys: follow-up events usually share
+        # their cause's key, and the insert trigger locks each key's bucket, so two messages
+        # handled at once take those locks in one order and cannot deadlock on them.
+        runs = sorted(batch.values(), key=lambda run: _lock_order(run[1]))
         attempts = self._claim_all(session.connection(), [event for _, event in runs])
         for _, event in runs:
             attempt = attempts.get(event.id)
@@ -539,6 +543,10 @@ def envelope_id(envelope: Any) -> uuid.UUID | None:
         return uuid.UUID(str(envelope.get("id")))
     except ValueError:
         return None
+
+
+def _lock_order(event: ReceivedEvent) -> int:
+    return -1 if event.ordering_key is None else ordering_lock_bucket(event.ordering_key)
 
 
 def _with_payload(event: ReceivedEvent, version: int, data: Any) -> ReceivedEvent:

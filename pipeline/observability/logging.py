@@ -53,11 +53,32 @@ class ConsoleFormatter(logging.Formatter):
         return line
 
 
+class WithoutMessageBodies(logging.Filter):
+    """Dramatiq logs a message by its ``str()``, which spells out its arguments — for the
+    pipeline's actors, the events' payloads ("Failed to process message ..."). Such an
+    argument is replaced by the actor's name and the message id before formatting."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple) and any(map(_is_message, record.args)):
+            record.args = tuple(
+                f"{getattr(arg, 'actor_name')} message {getattr(arg, 'message_id')}"  # noqa: B009
+                if _is_message(arg)
+                else arg
+                for arg in record.args
+            )
+        return True
+
+
+def _is_message(value: object) -> bool:
+    return hasattr(value, "message_id") and hasattr(value, "actor_name")
+
+
 def configure_logging(settings: Settings) -> None:
     """Install the configured formatter on the root logger (idempotent)."""
     handler = logging.StreamHandler(sys.stderr)
     formatter = JsonFormatter() if settings.log_format == "json" else ConsoleFormatter()
     handler.setFormatter(formatter)
+    handler.addFilter(WithoutMessageBodies())
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(settings.log_level)
