@@ -125,6 +125,11 @@ relay_listener_connected = Gauge(
     "1 while the relay's LISTEN connection is up.",
     multiprocess_mode="max",
 )
+relay_busy = Gauge(
+    "pipeline_relay_busy",
+    "1 while the relay polls busily (producers skip NOTIFY while a relay is busy).",
+    multiprocess_mode="max",
+)
 relay_listener_reconnects = Counter(
     "pipeline_relay_listener_reconnects_total",
     "Times the relay re-established its LISTEN connection.",
