@@ -229,6 +229,13 @@ def zero_initialise(role: Role) -> None:
             relay_wakeups.labels(source)
 
 
+def zero_initialise_consumers(consumers: Iterable[str]) -> None:
+    """The relay's per-consumer counters read 0 from the start: a burst of re-deliveries
+    after a Redis restart is then visible to ``rate()`` from its first increment."""
+    for consumer in consumers:
+        redeliveries.labels(consumer)
+
+
 # -- exposition ------------------------------------------------------------------------------
 
 
