@@ -42,6 +42,12 @@ def _sum_rate(metric: str, by: str = "", selector: str = J) -> str:
     return f"sum{clause} ({_rate(metric, selector)})"
 
 
+RELAYS_ONLY = (
+    f"and on (instance) group by (instance) (rate(pipeline_relay_wakeups_total{{{J}}}{RATE}))"
+)
+"""Keeps the series of relay processes (workers export the relay's gauges at 0 too)."""
+
+
 def _quantile(q: float, histogram: str, by: str = "", selector: str = J) -> Query:
     labels = ", ".join(["le", *([by] if by else [])])
     expr = f"histogram_quantile({q}, sum by ({labels}) ({_rate(histogram + '_bucket', selector)}))"
@@ -288,7 +294,7 @@ def overview(o: KitOptions) -> Json:
                 "(producers skip NOTIFY while one is busy).",
                 "short",
                 Query(
-                    f"count(group by (job, instance) (pipeline_relay_wakeups_total{{{J}}})) "
+                    f"count(group by (job, instance) ({_rate('pipeline_relay_wakeups_total')})) "
                     "or vector(0)",
                     "relays",
                 ),
@@ -303,7 +309,7 @@ def overview(o: KitOptions) -> Json:
         "What is dead-lettered?",
         [
             timeseries(
-                "Dead letters waiting",
+                "Dead letters waiting by stage",
                 "Dead letters not yet replayed, by stage: 'publish' (never reached the "
                 "broker) or 'consume' (a handler gave up).",
                 "short",
@@ -361,7 +367,7 @@ def relay(o: KitOptions) -> Json:
                 "Relay processes whose metrics reach Prometheus.",
                 "short",
                 Query(
-                    f"count(group by (job, instance) (pipeline_relay_wakeups_total{{{J}}})) "
+                    f"count(group by (job, instance) ({_rate('pipeline_relay_wakeups_total')})) "
                     "or vector(0)"
                 ),
                 thresholds=((None, "red"), (1, "green")),
@@ -415,13 +421,11 @@ def relay(o: KitOptions) -> Json:
                 "1 while a relay's LISTEN connection is up; 1 while it polls busily.",
                 "short",
                 Query(
-                    f"max by (instance) (pipeline_relay_listener_connected{{{J}}}) "
-                    f"and on (instance) group by (instance) (pipeline_relay_wakeups_total{{{J}}})",
+                    f"max by (instance) (pipeline_relay_listener_connected{{{J}}}) {RELAYS_ONLY}",
                     "listening {{instance}}",
                 ),
                 Query(
-                    f"max by (instance) (pipeline_relay_busy{{{J}}}) "
-                    f"and on (instance) group by (instance) (pipeline_relay_wakeups_total{{{J}}})",
+                    f"max by (instance) (pipeline_relay_busy{{{J}}}) {RELAYS_ONLY}",
                     "busy {{instance}}",
                 ),
                 width=8,
@@ -552,7 +556,7 @@ def relay(o: KitOptions) -> Json:
                 width=8,
             ),
             timeseries(
-                "State sources readable",
+                "State sources readable over time",
                 "1 while the relay's state collector can read the source.",
                 "short",
                 Query(f"min by (source) (pipeline_state_up{{{J}}})", "{{source}}"),

@@ -37,7 +37,9 @@ _Dumper.add_representer(str, _str)
 
 
 def to_yaml(document: Any) -> str:
-    return yaml.dump(document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+    return yaml.dump(
+        document, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=1000
+    )
 
 
 def render_rule_files(options: KitOptions) -> dict[str, str]:

@@ -176,7 +176,7 @@ class Alert:
 
 def _down(o: KitOptions, selector: str) -> str:
     """No target of ``selector`` up: some exist but none answer, or none is scraped at all."""
-    by = o.by()
+    by = o.by("job")
     return (
         f"(\n  count{by} (up{{{selector}}})\n  unless\n  count{by} (up{{{selector}}} == 1)\n)\n"
         f"or\nabsent(up{{{selector}}})"
@@ -192,8 +192,8 @@ def availability_alerts(o: KitOptions) -> list[Alert]:
             "2m",
             "critical",
             "No pipeline relay is up: nothing publishes the outbox.",
-            f"No target of job {o.relay_job} has answered a scrape for 2 minutes (or none is "
-            "configured). Committed events stay in the outbox, the canary stops and the "
+            "No target of job {{ $labels.job }} has answered a scrape for 2 minutes (or none "
+            "is configured). Committed events stay in the outbox, the canary stops and the "
             "state gauges (backlog, dead letters, queue depths) are missing.",
             RELAY_UID,
         ),
@@ -203,8 +203,8 @@ def availability_alerts(o: KitOptions) -> list[Alert]:
             "2m",
             "critical",
             "No pipeline worker is up: no consumer handles events.",
-            f"No target of job {o.worker_job} has answered a scrape for 2 minutes (or none is "
-            "configured). Events are published to Redis and wait there; consumers' queues "
+            "No target of job {{ $labels.job }} has answered a scrape for 2 minutes (or none "
+            "is configured). Events are published to Redis and wait there; consumers' queues "
             "grow.",
             CONSUMERS_UID,
         ),
@@ -253,22 +253,24 @@ def availability_alerts(o: KitOptions) -> list[Alert]:
         ),
         Alert(
             "PipelinePostgresUnreachable",
-            f'max{o.by()} (pipeline_state_up{{{r}, source="postgres"}}) == 0',
+            f'max{o.by("source")} (pipeline_state_up{{{r}, source="postgres"}}) == 0',
             "2m",
             "critical",
             "The relay cannot read Postgres.",
-            "The relay's state collector has failed to read Postgres for 2 minutes: relays "
+            "The relay's state collector has failed to read {{ $labels.source }} for 2 "
+            "minutes: relays "
             "cannot publish, workers cannot record outcomes, and the backlog, dead-letter "
             "and ledger gauges are missing.",
             OVERVIEW_UID,
         ),
         Alert(
             "PipelineRedisUnreachable",
-            f'max{o.by()} (pipeline_state_up{{{r}, source="redis"}}) == 0',
+            f'max{o.by("source")} (pipeline_state_up{{{r}, source="redis"}}) == 0',
             "2m",
             "critical",
             "The relay cannot read Redis.",
-            "The relay's state collector has failed to read Redis for 2 minutes: nothing is "
+            "The relay's state collector has failed to read {{ $labels.source }} for 2 "
+            "minutes: nothing is "
             "delivered to consumers (publishing retries and backs off) and the queue-depth "
             "gauges are missing.",
             OVERVIEW_UID,
@@ -417,9 +419,9 @@ def slo_alerts(o: KitOptions) -> list[Alert]:
                 "Events take too long end to end: the latency SLO's error budget burns fast.",
                 f"{{{{ $value | humanizePercentage }}}} of events took longer than "
                 f"{o.latency_slo_seconds:g} s from outbox insert to handler commit over the "
-                f"last {w.short}, and over {w.long} too: {w.factor:g}x the rate that spends the "
-                f"whole budget of the SLO ({target} within {o.latency_slo_seconds:g} s over "
-                "30 days).",
+                f"last {w.long}, and over the last {w.short} too: {w.factor:g}x the rate that "
+                f"spends the whole budget of the SLO ({target} within "
+                f"{o.latency_slo_seconds:g} s over 30 days).",
                 OVERVIEW_UID,
                 labels={"long_window": w.long, "short_window": w.short},
             )
