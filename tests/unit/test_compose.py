@@ -282,18 +282,13 @@ def test_alertmanager_routes_name_existing_receivers():
 def test_grafana_provisions_the_datasource_and_the_dashboards():
     grafana = SERVICES["grafana"]
     mounts = bind_mounts(grafana)
-    provisioning = mounts["/etc/grafana/provisioning"]
-    [datasource] = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())[
-        "datasources"
-    ]
+    datasources = mounts["/etc/grafana/provisioning/datasources"]
+    [datasource] = yaml.safe_load((datasources / "prometheus.yaml").read_text())["datasources"]
     assert datasource["type"] == "prometheus" and datasource["isDefault"] is True
-    assert (
-        datasource["url"]
-        == f"http://prometheus:{SERVICES['prometheus']['ports'][0].rsplit(':', 1)[1]}"
-    )
-    [provider] = yaml.safe_load((provisioning / "dashboards" / "pipeline.yaml").read_text())[
-        "providers"
-    ]
+    prometheus_port = SERVICES["prometheus"]["ports"][0].rsplit(":", 1)[1]
+    assert datasource["url"] == f"http://prometheus:{prometheus_port}"
+    providers = mounts["/etc/grafana/provisioning/dashboards"]
+    [provider] = yaml.safe_load((providers / "pipeline.yaml").read_text())["providers"]
     assert mounts[provider["options"]["path"]] == ROOT / "dashboards"
     home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     directory, name = home.rsplit("/", 1)
