@@ -192,6 +192,18 @@ class Prometheus:
         self.log = directory / "prometheus.log"
         self.process: subprocess.Popen[bytes] | None = None
 
+    @classmethod
+    def from_config(cls, config: Path, directory: Path) -> Prometheus:
+        """A server on ``config`` as written by someone else (e.g. ``pipeline demo``)."""
+        server = cls.__new__(cls)
+        server.directory = directory
+        server.port = free_port()
+        server.url = f"http://127.0.0.1:{server.port}"
+        server.config_path = config
+        server.log = directory / "prometheus.log"
+        server.process = None
+        return server
+
     def start(self) -> None:
         argv = [
             tool("prometheus"),
