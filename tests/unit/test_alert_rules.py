@@ -178,3 +178,10 @@ def _possible_keys_all() -> set[str]:
 def test_rule_files_are_what_yaml_reads():
     for path in RULE_FILES:
         assert yaml.safe_load(path.read_text())["groups"]
+
+
+def test_operations_doc_tables_every_alert_with_its_runbook():
+    text = (ROOT / "docs" / "operations.md").read_text()
+    for name in REQUIRED:
+        row = next((line for line in text.splitlines() if line.startswith(f"| `{name}` |")), "")
+        assert f"(../runbooks/{name}.md)" in row, name
