@@ -193,7 +193,7 @@ def _relay_metrics(
     import logging
 
     from pipeline.admin.state import StateCollector
-    from pipeline.observability.metrics import start_metrics_server
+    from pipeline.observability.metrics import start_metrics_server, zero_initialise_consumers
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
 
     def queues() -> list[str]:
@@ -203,6 +203,7 @@ def _relay_metrics(
         return [s.consumer for s in runtime.registry.all()]
 
     collectors = [StateCollector(settings, queues, consumers=consumers)] if state_metrics else []
+    zero_initialise_consumers(consumers())
     try:
         return start_metrics_server(settings, "relay", port=port, collectors=collectors)
     except OSError as exc:

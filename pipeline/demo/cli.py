@@ -35,7 +35,8 @@ def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     "--keep-running",
     is_flag=True,
     help="After the summary, leave the relay, workers, servers and metrics endpoints up "
-    "(for a local Prometheus) until Ctrl-C.",
+    "until Ctrl-C, and write a prometheus.yml (with the pipeline's alert rules) that a local "
+    "Prometheus can start on.",
 )
 @click.option(
     "--duplicates",

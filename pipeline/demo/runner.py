@@ -572,6 +572,16 @@ class _Demo:
             "still running (--keep-running): relay and workers keep serving; "
             + "; ".join(f"{name} {url}" for name, url in self.endpoints.items())
         )
+        if self.log_dir is not None and "relay metrics" in self.endpoints:
+            from pipeline.demo.prometheus import write_prometheus_setup
+
+            setup = write_prometheus_setup(
+                self.log_dir / "prometheus",
+                self.endpoints["relay metrics"],
+                self.endpoints["worker metrics"],
+            )
+            for line in setup.instructions():
+                self.console.warn(line)
         self.console.warn(
             f"PIPELINE_DATABASE_URL={redact_url(settings.require_database_url())} "
             f"PIPELINE_REDIS_URL={redact_url(settings.require_redis_url())} "

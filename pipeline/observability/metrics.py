@@ -125,6 +125,11 @@ relay_listener_connected = Gauge(
     "1 while the relay's LISTEN connection is up.",
     multiprocess_mode="max",
 )
+relay_busy = Gauge(
+    "pipeline_relay_busy",
+    "1 while the relay polls busily (producers skip NOTIFY while a relay is busy).",
+    multiprocess_mode="max",
+)
 relay_listener_reconnects = Counter(
     "pipeline_relay_listener_reconnects_total",
     "Times the relay re-established its LISTEN connection.",
@@ -222,6 +227,13 @@ def zero_initialise(role: Role) -> None:
     if role == "relay":
         for source in WAKEUP_SOURCES:
             relay_wakeups.labels(source)
+
+
+def zero_initialise_consumers(consumers: Iterable[str]) -> None:
+    """The relay's per-consumer counters read 0 from the start: a burst of re-deliveries
+    after a Redis restart is then visible to ``rate()`` from its first increment."""
+    for consumer in consumers:
+        redeliveries.labels(consumer)
 
 
 # -- exposition ------------------------------------------------------------------------------

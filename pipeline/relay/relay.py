@@ -319,6 +319,7 @@ class Relay:
         )
         self.busy_spells += busy and not self.busy
         self.busy = busy
+        metrics.relay_busy.set(1 if busy else 0)
         self._last_heartbeat = now
 
     def _forget(self) -> None:

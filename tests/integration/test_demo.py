@@ -247,3 +247,66 @@ def test_payment_api_honours_idempotency_keys_like_stripe():
             assert [c["id"] for c in emails] == ["em_2"]
     finally:
         api.stop()
+
+
+def test_keep_running_writes_a_prometheus_config_that_scrapes_the_demo(tmp_path):
+    """The printed command starts a real Prometheus that scrapes both endpoints up."""
+    from tests.opskit_support import Prometheus, tool
+
+    demo = subprocess.Popen(
+        demo_command("--events", "20", "--keep-running"),
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in demo.stderr], daemon=True)
+    reader.start()
+    seen: list[str] = []
+    prometheus = None
+    try:
+        deadline = time.monotonic() + DEMO_TIMEOUT
+        while not any("--config.file=" in line for line in seen):
+            assert demo.poll() is None, "".join(seen)
+            assert time.monotonic() < deadline, "".join(seen)
+            with contextlib.suppress(queue.Empty):
+                seen.append(lines.get(timeout=1))
+        [command] = [line for line in seen if "start it: prometheus" in line]
+        config = Path(re.search(r"--config.file=(\S+)", command).group(1))
+        checked = subprocess.run(
+            [tool("promtool"), "check", "config", str(config)],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+        assert "SUCCESS: 2 rule files found" in checked.stdout
+        # the same config, served on a port of the test's own
+        prometheus = Prometheus.from_config(config, tmp_path)
+        prometheus.start()
+        up = wait_until_up(prometheus)
+        assert up == {"pipeline-relay", "pipeline-worker"}
+        alerting = [r for r in prometheus.rules() if r["type"] == "alerting"]
+        assert len(alerting) >= 19
+        runbook = alerting[0]["annotations"]["runbook_url"]
+        assert runbook.startswith("file://") and runbook.endswith(".md")
+        assert Path(runbook.removeprefix("file://")).is_file()
+        demo.send_signal(signal.SIGINT)
+        code = demo.wait(timeout=60)
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+    assert code == 0, "".join(seen)
+
+
+def wait_until_up(prometheus) -> set[str]:
+    deadline = time.monotonic() + 60
+    while True:
+        jobs = {r["metric"]["job"] for r in prometheus.query("up == 1")}
+        if len(jobs) == 2 or time.monotonic() > deadline:
+            return jobs
+        time.sleep(1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ def check_pipeline_command(args: list[str]) -> None:
 
 def test_expected_services_are_there():
     expected = {"postgres", "redis", "jaeger", "migrate", "payment-api", "relay", "worker", "demo"}
+    expected |= {"prometheus", "alertmanager", "grafana"}
     assert expected <= set(SERVICES)
 
 
@@ -127,7 +129,9 @@ def test_one_shot_migration_runs_pipeline_db_upgrade():
     assert SERVICES["migrate"].get("restart") == "no"
 
 
-@pytest.mark.parametrize("name", ["postgres", "redis", "payment-api", "relay", "worker"])
+@pytest.mark.parametrize(
+    "name", ["postgres", "redis", "payment-api", "relay", "worker", "prometheus", "grafana"]
+)
 def test_health_checks(name):
     check = SERVICES[name].get("healthcheck")
     assert check and check.get("test"), f"{name} has no health check"
@@ -182,3 +186,111 @@ def test_published_ports_bind_to_loopback():
     for name, service in SERVICES.items():
         for port in service.get("ports", []):
             assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} on all interfaces"
+
+
+# -- the ops kit: Prometheus, Alertmanager, Grafana ---------------------------------------------
+
+
+def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
+    """Container path -> host path of a service's bind mounts (``./host:/container[:ro]``)."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target, *_ = str(volume).split(":")
+        if source.startswith("."):
+            mounts[target] = ROOT / source
+    return mounts
+
+
+def test_ops_kit_services_are_there_and_healthy_before_their_users():
+    assert {"prometheus", "alertmanager", "grafana"} <= set(SERVICES)
+    assert SERVICES["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
+    for name in ("prometheus", "grafana"):
+        assert SERVICES[name]["healthcheck"]["test"][0] == "CMD"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICES))
+def test_bind_mounted_files_exist(name):
+    for target, source in bind_mounts(SERVICES[name]).items():
+        assert source.exists(), f"{name} mounts missing {source} at {target}"
+
+
+def prometheus_config() -> dict[str, Any]:
+    mounts = bind_mounts(SERVICES["prometheus"])
+    command = argv(SERVICES["prometheus"])
+    [config_flag] = [a for a in command if a.startswith("--config.file=")]
+    return yaml.safe_load(mounts[config_flag.split("=", 1)[1]].read_text())
+
+
+def test_prometheus_scrapes_relay_and_workers_under_the_kits_job_names():
+    from pipeline.opskit import KitOptions
+
+    kit = KitOptions()
+    jobs = {
+        c["job_name"]: c["static_configs"][0]["targets"]
+        for c in prometheus_config()["scrape_configs"]
+    }
+    relay_port = SERVICES["relay"]["ports"][0].rsplit(":", 1)[1]
+    worker_port = SERVICES["worker"]["ports"][0].rsplit(":", 1)[1]
+    assert jobs == {
+        kit.relay_job: [f"relay:{relay_port}"],
+        kit.worker_job: [f"worker:{worker_port}"],
+    }
+    assert SERVICES["relay"]["environment"]["PIPELINE_METRICS_HOST"] == "0.0.0.0"
+
+
+def test_prometheus_loads_the_committed_rules_and_alerts_alertmanager():
+    config = prometheus_config()
+    mounts = bind_mounts(SERVICES["prometheus"])
+    [pattern] = config["rule_files"]
+    directory, glob = pattern.rsplit("/", 1)
+    assert mounts[directory] == ROOT / "alerts"
+    loaded = sorted(p.name for p in (ROOT / "alerts").glob(glob))
+    assert loaded == ["pipeline-alerts.yaml", "pipeline-recording-rules.yaml"]
+    [target] = config["alerting"]["alertmanagers"][0]["static_configs"][0]["targets"]
+    host, port = target.split(":")
+    assert host == "alertmanager"
+    assert SERVICES["alertmanager"]["ports"][0].endswith(f":{port}")
+
+
+def test_prometheus_config_passes_promtool(tmp_path):
+    """promtool check config, with the rule glob pointed at the repository's alerts/."""
+    from tests.opskit_support import tool
+
+    config = prometheus_config()
+    config["rule_files"] = [str(ROOT / "alerts" / "*.yaml")]
+    path = tmp_path / "prometheus.yml"
+    path.write_text(yaml.safe_dump(config))
+    result = subprocess.run(
+        [tool("promtool"), "check", "config", str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS: 2 rule files found" in result.stdout
+
+
+def test_alertmanager_routes_name_existing_receivers():
+    mounts = bind_mounts(SERVICES["alertmanager"])
+    config = yaml.safe_load(mounts["/etc/alertmanager/alertmanager.yml"].read_text())
+    receivers = {r["name"] for r in config["receivers"]}
+    routes = [config["route"], *config["route"].get("routes", [])]
+    assert all(route["receiver"] in receivers for route in routes)
+    assert any('"PipelineWatchdog"' in str(r.get("matchers")) for r in routes)
+
+
+def test_grafana_provisions_the_datasource_and_the_dashboards():
+    grafana = SERVICES["grafana"]
+    mounts = bind_mounts(grafana)
+    datasources = mounts["/etc/grafana/provisioning/datasources"]
+    [datasource] = yaml.safe_load((datasources / "prometheus.yaml").read_text())["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["isDefault"] is True
+    prometheus_port = SERVICES["prometheus"]["ports"][0].rsplit(":", 1)[1]
+    assert datasource["url"] == f"http://prometheus:{prometheus_port}"
+    providers = mounts["/etc/grafana/provisioning/dashboards"]
+    [provider] = yaml.safe_load((providers / "pipeline.yaml").read_text())["providers"]
+    assert mounts[provider["options"]["path"]] == ROOT / "dashboards"
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    directory, name = home.rsplit("/", 1)
+    assert directory == provider["options"]["path"]
+    assert (ROOT / "dashboards" / name).is_file()

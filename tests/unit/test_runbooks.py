@@ -1,0 +1,124 @@
+"""Runbooks: a page per alert with the required sections, the playbooks, working links,
+PromQL that parses, and `pipeline` commands that the CLI accepts."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from tests.opskit_support import RUNBOOKS_DIR, alert_rules, check_rule_expressions, runbook_steps
+from tests.support import ROOT
+from tests.unit.test_compose import check_pipeline_command
+
+SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation", "Escalation")
+PLAYBOOKS = (
+    "relay-down",
+    "broker-down",
+    "postgres-down",
+    "consumer-crash-loop",
+    "poison-message",
+    "outbox-growing",
+    "redelivery-storm",
+    "clock-skew",
+    "replay-dead-letters",
+)
+PAGES = sorted(p for p in RUNBOOKS_DIR.glob("*.md") if p.name != "README.md")
+FENCE = re.compile(r"^( *)```(\w+)[^\n]*\n(.*?)^\1```$", re.MULTILINE | re.DOTALL)
+
+
+def blocks(page: Path, language: str) -> list[str]:
+    return [
+        re.sub(r"(?m)^" + indent, "", body)
+        for indent, lang, body in FENCE.findall(page.read_text())
+        if lang == language
+    ]
+
+
+def headings(page: Path) -> list[str]:
+    return re.findall(r"^## (.+)$", page.read_text(), re.MULTILINE)
+
+
+def test_every_alert_has_a_page_and_every_page_an_index_entry():
+    names = {rule["alert"] for rule in alert_rules()}
+    assert names <= {p.stem for p in PAGES}
+    assert set(PLAYBOOKS) <= {p.stem for p in PAGES}
+    assert {p.stem for p in PAGES} == names | set(PLAYBOOKS)  # no orphan pages
+    index = (RUNBOOKS_DIR / "README.md").read_text()
+    for page in PAGES:
+        assert f"]({page.name})" in index, page.name
+
+
+def test_every_runbook_url_resolves_to_a_page_with_the_required_sections():
+    for rule in alert_rules():
+        url = rule["annotations"]["runbook_url"]
+        assert url == f"runbooks/{rule['alert']}.md"
+        page = ROOT / url
+        assert page.is_file(), url
+        assert page.read_text().startswith(f"# {rule['alert']}\n")
+        assert [h for h in headings(page) if h in SECTIONS] == list(SECTIONS), url
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.stem)
+def test_page_sections_and_diagnosis_content(page):
+    found = headings(page)
+    assert [h for h in found if h in SECTIONS] == list(SECTIONS)
+    if page.stem in PLAYBOOKS:
+        assert "Verify" in found
+    diagnosis = page.read_text().split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
+    assert "```promql" in diagnosis, "Diagnosis needs the exact PromQL"
+    assert re.search(r"^\s*pipeline \w+", diagnosis, re.MULTILINE), "and pipeline commands"
+    assert re.search(r"trace|Traces", diagnosis), "and where to look in traces"
+
+
+def test_links_between_pages_resolve():
+    for page in [*PAGES, RUNBOOKS_DIR / "README.md"]:
+        for target in re.findall(r"\]\(([^)#:]+\.md)\)", page.read_text()):
+            assert (page.parent / target).is_file(), f"{page.name} links {target}"
+
+
+def test_every_promql_block_parses(tmp_path):
+    exprs = [b.strip() for page in PAGES for b in blocks(page, "promql")]
+    assert len(exprs) > 40
+    check_rule_expressions(exprs, tmp_path)
+
+
+EXAMPLES = {"EVENT_ID": "0190c5a4-0000-7000-8000-000000000001", "DEAD_LETTER_ID": "41"}
+
+
+def example(match: re.Match[str]) -> str:
+    """A value for a shell variable the page asks the operator to set."""
+    return EXAMPLES.get(match.group(1), match.group(1).lower())
+
+
+def pipeline_commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for page in PAGES:
+        for block in blocks(page, "sh"):
+            for raw in block.splitlines():
+                line = re.sub(r"\$\{?([A-Z_]+)\}?", example, raw.strip())
+                if line.startswith("pipeline "):
+                    found.append((page.stem, shlex.split(line)[1:]))
+                elif "pipeline " in line:  # inside sh -c '...' or after nohup
+                    for inner in re.findall(r"(?:^|[\s'])pipeline ([^;'&>]+)", line):
+                        found.append((page.stem, shlex.split(inner)))
+    return found
+
+
+def test_runbook_pipeline_commands_parse_with_the_real_cli():
+    """Every `pipeline ...` line in a runbook's sh blocks is accepted by the CLI, with
+    example values for the shell variables the pages use."""
+    commands = pipeline_commands()
+    assert len(commands) > 30
+    for page, args in commands:
+        try:
+            check_pipeline_command(args)
+        except Exception as exc:
+            raise AssertionError(f"{page}: pipeline {shlex.join(args)}: {exc}") from exc
+
+
+def test_verified_playbooks_have_step_blocks():
+    assert len(runbook_steps("relay-down")) == 4
+    assert len(runbook_steps("poison-message")) == 6
