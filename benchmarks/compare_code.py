@@ -39,13 +39,20 @@ Figures = Callable[[dict[str, Any]], dict[str, float]]
 
 
 def relay_figures(report: dict[str, Any]) -> dict[str, float]:
-    """Events/s per (batch size, drainers) of the relay's throughput section."""
-    return {
-        f"relay_events_per_s_batch{run['batch_size']}_drainers{run['drainers']}": float(
-            run["events_per_s"]
-        )
-        for run in report["throughput"]["runs"]
-    }
+    """Per (batch size, drainers) of the relay's throughput section: events/s, and the
+    CPU the relay and Postgres spent per event and per batch phase (less disturbed by a
+    busy neighbour than events/s)."""
+    figures: dict[str, float] = {}
+    for run in report["throughput"]["runs"]:
+        case = f"batch{run['batch_size']}_drainers{run['drainers']}"
+        figures[f"relay_events_per_s_{case}"] = float(run["events_per_s"])
+        cpu = run.get("cpu") or {}
+        for key in ("relay_cpu_ms_per_event", "postgres_cpu_ms_per_event"):
+            if cpu.get(key):
+                figures[f"{key}_{case}"] = float(cpu[key])
+        for phase, timing in (run.get("phases") or {}).items():
+            figures[f"{phase}_ms_per_batch_{case}"] = float(timing["ms_per_batch"])
+    return figures
 
 
 def end_to_end_figures(report: dict[str, Any]) -> dict[str, float]:
@@ -115,8 +122,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--benchmark", choices=sorted(BENCHMARKS), required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--output", type=Path, default=ROOT / "benchmarks/results/compare.json")
+    parser.add_argument(
+        "--from-dir",
+        type=Path,
+        help="summarise the before_N.json/after_N.json reports of an earlier run instead",
+    )
     parser.add_argument("args", nargs=argparse.REMAINDER, help="-- then the benchmark's options")
     options = parser.parse_args(argv)
+    if options.from_dir is not None:
+        return summarise_dir(options)
     extra = options.args[1:] if options.args[:1] == ["--"] else options.args
     trees = {"before": options.before.resolve(), "after": options.after.resolve()}
     scratch = Path(tempfile.mkdtemp(prefix="pipeline-compare-"))
@@ -152,6 +166,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{name}: after/before median {figure['median']} mean {figure['mean']} "
             f"95% {figure['mean_95_interval']} range [{figure['min']}, {figure['max']}]"
         )
+    return 0
+
+
+def summarise_dir(options: argparse.Namespace) -> int:
+    """The summary of reports kept from an earlier run (``--from-dir``)."""
+    figures = BENCHMARKS[options.benchmark]
+    rounds = []
+    for number in range(options.rounds):
+        pair = {
+            label: figures(json.loads((options.from_dir / f"{label}_{number}.json").read_text()))
+            for label in ("before", "after")
+        }
+        rounds.append(pair)
+    summary = summarise(rounds)
+    options.output.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(options.output.read_text()) if options.output.exists() else {}
+    previous["summary"] = summary
+    previous["summarised_from"] = str(options.from_dir)
+    options.output.write_text(json.dumps(previous, indent=2) + "\n")
+    for name, figure in summary.items():
+        print(f"{name}: median {figure['median']} 95% {figure['mean_95_interval']}")
     return 0
 
 
