@@ -202,7 +202,13 @@ def _relay_metrics(
     def consumers() -> list[str]:
         return [s.consumer for s in runtime.registry.all()]
 
-    collectors = [StateCollector(settings, queues, consumers=consumers)] if state_metrics else []
+    from pipeline.admin.table_sizes import TableSizeCollector
+
+    collectors: list[Any] = (
+        [StateCollector(settings, queues, consumers=consumers), TableSizeCollector(settings)]
+        if state_metrics
+        else []
+    )
     zero_initialise_consumers(consumers())
     try:
         return start_metrics_server(settings, "relay", port=port, collectors=collectors)
@@ -420,6 +426,43 @@ def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
         click.echo(json.dumps(lineage.as_json(), indent=2))
     else:
         click.echo("\n".join(render(lineage, settings.trace_ui_url)))
+
+
+def _retry_horizons(settings: Settings) -> dict[str, float]:
+    """Each registered consumer's retry horizon (seconds), after importing the app modules."""
+    from pipeline.inbox.canary import register_canary
+    from pipeline.inbox.consumer import definitions
+    from pipeline.registry import registry
+    from pipeline.runtime import import_app_modules
+
+    import_app_modules(settings.app_module_names())
+    register_canary(registry)
+    return {s.consumer: d.retry_horizon(settings) for s, d in definitions(registry)}
+
+
+@cli.command()
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
+@click.pass_context
+def prune(ctx: click.Context, dry_run: bool, as_json: bool, apps: tuple[str, ...]) -> None:
+    """Delete rows past their retention now (what the relay's janitor does periodically).
+
+    Sent events, processed inbox keys, attempt history and audit records older than
+    their PIPELINE_*_RETENTION_SECONDS; never anything still owed, pending or
+    dead-lettered. Exits 1 if a janitor or another prune is running.
+    """
+    import json
+
+    from pipeline.admin.prune import format_prune, run_prune
+
+    settings = _with_apps(_settings(ctx), apps)
+    horizon = max([settings.redelivery_horizon_seconds, *_retry_horizons(settings).values()])
+    result = run_prune(settings, dry_run=dry_run, min_inbox_seconds=horizon)
+    if as_json:
+        click.echo(json.dumps(result.as_json(), indent=2))
+    else:
+        click.echo(format_prune(result))
 
 
 def main(argv: list[str] | None = None) -> None:
