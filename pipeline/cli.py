@@ -359,6 +359,12 @@ def _checked_dramatiq_args(args: tuple[str, ...]) -> list[str]:
     show_default=True,
     help="Unhealthy when more dead letters than this are waiting.",
 )
+@click.option(
+    "--interval",
+    default="5m",
+    show_default=True,
+    help="Window of the per-consumer figures: 30s, 5m, 2h, 7d, or seconds.",
+)
 @click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
 @click.pass_context
 def status(
@@ -366,9 +372,12 @@ def status(
     as_json: bool,
     max_pending_age: float,
     max_dead_letters: int,
+    interval: str,
     apps: tuple[str, ...],
 ) -> None:
-    """Backlog, oldest unsent event, dead letters, relays and queue depths.
+    """Backlog, oldest unsent event, dead letters, relays, queue depths, and per consumer
+    the events processed, failures, duplicates, re-deliveries and dead letters of the
+    last --interval.
 
     Exits 0 when healthy, 1 when not (dead letters, or the oldest unsent event older
     than --max-pending-age) or when Postgres or Redis cannot be read.
@@ -376,6 +385,7 @@ def status(
     import json
     import math
 
+    from pipeline.admin.activity import parse_duration
     from pipeline.admin.status import Thresholds, format_status, read_status
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.runtime import import_app_modules
@@ -383,12 +393,22 @@ def status(
     if math.isnan(max_pending_age):  # FloatRange lets nan through: it compares false
         raise click.BadParameter("must be a number of seconds", param_hint="'--max-pending-age'")
 
+    try:
+        window = parse_duration(interval)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--interval'") from None
     settings = _with_apps(_settings(ctx), apps)
     import_app_modules(settings.app_module_names())
     from pipeline.registry import registry
 
     queues = [*(s.queue for s in registry.all()), PUBLISH_QUEUE_NAME]
-    result = read_status(settings, queues, Thresholds(max_pending_age, max_dead_letters))
+    result = read_status(
+        settings,
+        queues,
+        Thresholds(max_pending_age, max_dead_letters),
+        interval=window,
+        consumers=[s.consumer for s in registry.all()],
+    )
     if as_json:
         click.echo(json.dumps(result.as_json(), indent=2, sort_keys=True))
     else:
@@ -463,6 +483,31 @@ def prune(ctx: click.Context, dry_run: bool, as_json: bool, apps: tuple[str, ...
         click.echo(json.dumps(result.as_json(), indent=2))
     else:
         click.echo(format_prune(result))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
+@click.pass_context
+def doctor(ctx: click.Context, as_json: bool, apps: tuple[str, ...]) -> None:
+    """Check the deployment: schema, indexes and triggers, LISTEN not behind a transaction
+    pooler, notification queue, settings, Redis eviction and persistence, clock skew,
+    dead letters and the canary. Each problem comes with its fix.
+
+    Exits 0 when nothing is wrong, 1 when anything is.
+    """
+    import json
+
+    from pipeline.admin.doctor import format_report, run_doctor
+
+    settings = _with_apps(_settings(ctx), apps)
+    settings.require_database_url()
+    report = run_doctor(settings, _retry_horizons(settings))
+    if as_json:
+        click.echo(json.dumps(report.as_json(), indent=2))
+    else:
+        click.echo(format_report(report))
+    ctx.exit(0 if report.healthy else 1)
 
 
 def main(argv: list[str] | None = None) -> None:
