@@ -31,8 +31,9 @@ LOG_INTERVAL = 60.0
 class BacklogMonitor:
     """Call :meth:`maybe_check` from the relay's loop; it counts when one is due."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, check_interval: float = CHECK_INTERVAL) -> None:
         self.threshold = settings.backlog_warn
+        self.check_interval = check_interval
         self.query = queries_for(settings.schema_name)["backlog_count"]
         self.over = False
         self._next_check = 0.0
@@ -41,7 +42,7 @@ class BacklogMonitor:
     def maybe_check(self, conn: psycopg.Connection[Any]) -> None:
         if not self.threshold or time.monotonic() < self._next_check:
             return
-        self._next_check = time.monotonic() + CHECK_INTERVAL
+        self._next_check = time.monotonic() + self.check_interval
         row = conn.execute(self.query, {"limit": self.threshold + 1}).fetchone()
         self.record(int(row[0]) if row else 0)
 
