@@ -101,20 +101,27 @@ def run_doctor(
 ) -> Report:
     """Every check against the configured servers; ``retry_horizons`` per known consumer."""
     report = Report()
-    try:
-        conn = connect(settings, autocommit=True)
-    except ServiceUnavailableError as exc:
-        report.add("postgres", "problem", str(exc), "start Postgres or fix PIPELINE_DATABASE_URL")
-        conn = None
     pg_rtt = None
-    if conn is not None:
-        with conn:
+    try:
+        # No server-side prepared statements: they break behind a transaction pooler.
+        with connect(settings, autocommit=True, prepare_threshold=None) as conn:
             conn.execute("SET statement_timeout = '10s'")
             pg_rtt = _round_trip(lambda: conn.execute("SELECT 1").fetchone())
             if _check_schema(conn, settings.schema_name, report):
                 _check_dead_letters(conn, settings.schema_name, report)
                 _check_canary(conn, settings, report)
             _check_server(conn, settings, report, clock)
+    except ServiceUnavailableError as exc:
+        report.add("postgres", "problem", str(exc), "start Postgres or fix PIPELINE_DATABASE_URL")
+    except psycopg.Error as exc:
+        where = _describe(settings.require_database_url())
+        report.add(
+            "postgres",
+            "problem",
+            f"a check failed at {where}: {type(exc).__name__}: {_first_line(exc)}",
+            "see the checks above; rerun once Postgres answers",
+        )
+    else:
         _check_listen(settings, report)
     redis_rtt = _check_redis(settings, report)
     _check_retention(settings, retry_horizons, report)
@@ -358,8 +365,8 @@ def _check_listen(settings: Settings, report: Report) -> None:
     where = _describe(settings.require_database_url())
     try:
         with (
-            connect(settings, autocommit=True) as listener,
-            connect(settings, autocommit=True) as sender,
+            connect(settings, autocommit=True, prepare_threshold=None) as listener,
+            connect(settings, autocommit=True, prepare_threshold=None) as sender,
         ):
             listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
             sender.execute("SELECT pg_notify(%s, 'doctor')", (channel,))
@@ -558,3 +565,8 @@ def format_report(report: Report) -> str:
         if finding.fix and finding.status != "ok":
             lines.append(f"          fix: {finding.fix}")
     return "\n".join(lines)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
