@@ -153,7 +153,11 @@ def relay(
     try:
         if not wait_for_services(settings, redis_needed=True, stop=stop, role="relay"):
             return
-        grants = relay_grants(publishing=mode != "workers", canary=settings.canary_interval > 0)
+        grants = relay_grants(
+            publishing=mode != "workers",
+            canary=settings.canary_interval > 0,
+            janitor=settings.prune_interval_seconds > 0,
+        )
         _check_database(settings, grants, "pipeline relay")
         server = Relay(
             settings,

@@ -264,6 +264,15 @@ def _check_triggers(conn: psycopg.Connection[Any], schema: str, report: Report) 
         report.add("triggers", "ok", "the outbox triggers and functions are present and enabled")
 
 
+def _dead_letter_listing(schema: str) -> str:
+    """The query an operator runs to list waiting dead letters."""
+    return (
+        sql.SQL("SELECT event_id, consumer, reason FROM {} WHERE replayed_at IS NULL")
+        .format(sql.Identifier(schema, "dead_letters"))
+        .as_string(None)
+    )
+
+
 def _qualified(schema: str, name: str) -> str:
     return sql.Identifier(schema, name).as_string()
 
@@ -278,7 +287,8 @@ def _check_dead_letters(conn: psycopg.Connection[Any], schema: str, report: Repo
             "dead_letters",
             "problem",
             f"{total} dead letters waiting ({stages})",
-            "inspect with `pipeline dlq list`, fix the cause, then `pipeline dlq replay`",
+            f"list them with `{_dead_letter_listing(schema)}`; `pipeline trace EVENT_ID` "
+            "shows one event's history; fix the cause, then replay them",
         )
     else:
         report.add("dead_letters", "ok", "no dead letters waiting")
