@@ -87,10 +87,13 @@ def throughput(
     """end_to_end's closed-loop throughput, without its truncation of the pipeline tables."""
     with engine.begin() as conn:
         conn.execute(text("TRUNCATE bench_e2e"))
+    probe = e2e.speed_probe_ms()  # the machine's speed now: a neighbour's load shows here
+    busy = e2e.machine_busy_seconds()
     started = time.time()
     committed, _ = e2e.run_producers(env, url, "closed", duration, producers)
     ended = time.time()
     done = e2e.wait_processed(engine, list(committed), timeout=180)
+    busy = e2e.machine_busy_seconds() - busy
     window_start, window_end = started + 2, ended
     in_window = sum(1 for d in done.values() if window_start <= d <= window_end)
     finished = max(done.values(), default=ended)
@@ -100,6 +103,8 @@ def throughput(
         "commit_rate": round(len(committed) / (ended - started), 1),
         "processed_per_s_in_window": round(in_window / (window_end - window_start), 1),
         "end_to_end_per_s": round(len(done) / (finished - started), 1),
+        "speed_probe_ms": probe,
+        "machine_cpu_ms_per_event": round(busy * 1000 / max(len(done), 1), 3),
     }
 
 
