@@ -48,7 +48,7 @@ from sqlalchemy.schema import CreateIndex
 
 from pipeline.admin.state import redis_client
 from pipeline.config import Settings, redact_url
-from pipeline.db.connect import _describe, connect
+from pipeline.db.connect import connect, describe_server, driver_reason
 from pipeline.db.migrate import (
     FUNCTIONS_VERSION,
     available_migrations,
@@ -114,11 +114,12 @@ def run_doctor(
     except ServiceUnavailableError as exc:
         report.add("postgres", "problem", str(exc), "start Postgres or fix PIPELINE_DATABASE_URL")
     except psycopg.Error as exc:
-        where = _describe(settings.require_database_url())
+        url = settings.require_database_url()
         report.add(
             "postgres",
             "problem",
-            f"a check failed at {where}: {type(exc).__name__}: {_first_line(exc)}",
+            f"a check failed at {describe_server(url)}: {type(exc).__name__}: "
+            f"{driver_reason(exc, url)}",
             "see the checks above; rerun once Postgres answers",
         )
     else:
@@ -264,15 +265,6 @@ def _check_triggers(conn: psycopg.Connection[Any], schema: str, report: Report) 
         report.add("triggers", "ok", "the outbox triggers and functions are present and enabled")
 
 
-def _dead_letter_listing(schema: str) -> str:
-    """The query an operator runs to list waiting dead letters."""
-    return (
-        sql.SQL("SELECT event_id, consumer, reason FROM {} WHERE replayed_at IS NULL")
-        .format(sql.Identifier(schema, "dead_letters"))
-        .as_string(None)
-    )
-
-
 def _qualified(schema: str, name: str) -> str:
     return sql.Identifier(schema, name).as_string()
 
@@ -287,8 +279,8 @@ def _check_dead_letters(conn: psycopg.Connection[Any], schema: str, report: Repo
             "dead_letters",
             "problem",
             f"{total} dead letters waiting ({stages})",
-            f"list them with `{_dead_letter_listing(schema)}`; `pipeline trace EVENT_ID` "
-            "shows one event's history; fix the cause, then replay them",
+            "inspect them with `pipeline dlq list` and `pipeline dlq show ID`, fix the cause, "
+            "then `pipeline dlq replay --dry-run` and `pipeline dlq replay`",
         )
     else:
         report.add("dead_letters", "ok", "no dead letters waiting")
@@ -363,7 +355,7 @@ def _check_server(
             "pooler",
             "info",
             f"a connection pooler sits between this host and Postgres at "
-            f"{_describe(settings.require_database_url())} (it reports process "
+            f"{describe_server(settings.require_database_url())} (it reports process "
             f"{conn.info.backend_pid}, the server {server_pid})",
             "the relay's LISTEN needs a direct or session-pooled connection",
         )
@@ -372,7 +364,7 @@ def _check_server(
 def _check_listen(settings: Settings, report: Report) -> None:
     """A NOTIFY on one connection must reach a LISTEN on another (see the module docstring)."""
     channel = f"pipeline_doctor_{uuid.uuid4().hex[:12]}"
-    where = _describe(settings.require_database_url())
+    where = describe_server(settings.require_database_url())
     try:
         with (
             connect(settings, autocommit=True, prepare_threshold=None) as listener,
@@ -575,8 +567,3 @@ def format_report(report: Report) -> str:
         if finding.fix and finding.status != "ok":
             lines.append(f"          fix: {finding.fix}")
     return "\n".join(lines)
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""

@@ -7,12 +7,12 @@ leaves an audit record (who, the ages used, how many rows); a dry run writes not
 
 from __future__ import annotations
 
-import getpass
 import json
 from typing import Any
 
 import psycopg
 
+from pipeline.admin.audit import os_user
 from pipeline.config import Settings
 from pipeline.db.connect import connect
 from pipeline.db.queries import queries_for
@@ -45,19 +45,12 @@ def run_prune(settings: Settings, *, dry_run: bool, min_inbox_seconds: float) ->
             conn.execute(
                 queries_for(settings.schema_name)["prune_audit"],
                 {
-                    "actor": _actor(),
+                    "actor": os_user(),
                     "parameters": json.dumps(_parameters(policy)),
                     "affected": result.deleted,
                 },
             )
     return result
-
-
-def _actor() -> str:
-    try:
-        return getpass.getuser()
-    except (KeyError, OSError):  # no user name for this uid (some containers)
-        return "unknown"
 
 
 def _parameters(policy: RetentionPolicy) -> dict[str, Any]:

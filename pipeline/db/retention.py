@@ -16,8 +16,8 @@ crash is simply done again. The rules of what may go are in ``retention.sql``; i
   the attempts of events with a dead letter;
 * **audit_log** past ``PIPELINE_AUDIT_RETENTION_SECONDS``.
 
-Dead letters are never pruned: purging them is an operator's decision. One pass runs at
-a time per schema (a session advisory lock).
+Dead letters are never pruned: purging them is an operator's decision (``pipeline dlq
+purge``). One pass runs at a time per schema (a session advisory lock).
 """
 
 from __future__ import annotations
