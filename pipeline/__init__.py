@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from pipeline.config import Settings, configure, get_settings, load_settings
     from pipeline.envelope import ReceivedEvent
     from pipeline.errors import (
+        BacklogFull,
         ConfigurationError,
         EventValidationError,
         MigrationError,
@@ -41,6 +42,7 @@ _EXPORTS = {
     "get_settings": "pipeline.config",
     "load_settings": "pipeline.config",
     "ReceivedEvent": "pipeline.envelope",
+    "BacklogFull": "pipeline.errors",
     "ConfigurationError": "pipeline.errors",
     "EventValidationError": "pipeline.errors",
     "MigrationError": "pipeline.errors",
@@ -61,6 +63,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BacklogFull",
     "ConfigurationError",
     "EventValidationError",
     "HandlerContext",

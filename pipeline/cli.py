@@ -153,7 +153,11 @@ def relay(
     try:
         if not wait_for_services(settings, redis_needed=True, stop=stop, role="relay"):
             return
-        grants = relay_grants(publishing=mode != "workers", canary=settings.canary_interval > 0)
+        grants = relay_grants(
+            publishing=mode != "workers",
+            canary=settings.canary_interval > 0,
+            janitor=settings.prune_interval_seconds > 0,
+        )
         _check_database(settings, grants, "pipeline relay")
         server = Relay(
             settings,
@@ -202,7 +206,13 @@ def _relay_metrics(
     def consumers() -> list[str]:
         return [s.consumer for s in runtime.registry.all()]
 
-    collectors = [StateCollector(settings, queues, consumers=consumers)] if state_metrics else []
+    from pipeline.admin.table_sizes import TableSizeCollector
+
+    collectors: list[Any] = (
+        [StateCollector(settings, queues, consumers=consumers), TableSizeCollector(settings)]
+        if state_metrics
+        else []
+    )
     zero_initialise_consumers(consumers())
     try:
         return start_metrics_server(settings, "relay", port=port, collectors=collectors)
@@ -353,6 +363,12 @@ def _checked_dramatiq_args(args: tuple[str, ...]) -> list[str]:
     show_default=True,
     help="Unhealthy when more dead letters than this are waiting.",
 )
+@click.option(
+    "--interval",
+    default="5m",
+    show_default=True,
+    help="Window of the per-consumer figures: 30s, 5m, 2h, 7d, or seconds.",
+)
 @click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
 @click.pass_context
 def status(
@@ -360,9 +376,12 @@ def status(
     as_json: bool,
     max_pending_age: float,
     max_dead_letters: int,
+    interval: str,
     apps: tuple[str, ...],
 ) -> None:
-    """Backlog, oldest unsent event, dead letters, relays and queue depths.
+    """Backlog, oldest unsent event, dead letters, relays, queue depths, and per consumer
+    the events processed, failures, duplicates, re-deliveries and dead letters of the
+    last --interval.
 
     Exits 0 when healthy, 1 when not (dead letters, or the oldest unsent event older
     than --max-pending-age) or when Postgres or Redis cannot be read.
@@ -370,6 +389,7 @@ def status(
     import json
     import math
 
+    from pipeline.admin.activity import parse_duration
     from pipeline.admin.status import Thresholds, format_status, read_status
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.runtime import import_app_modules
@@ -377,12 +397,22 @@ def status(
     if math.isnan(max_pending_age):  # FloatRange lets nan through: it compares false
         raise click.BadParameter("must be a number of seconds", param_hint="'--max-pending-age'")
 
+    try:
+        window = parse_duration(interval)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--interval'") from None
     settings = _with_apps(_settings(ctx), apps)
     import_app_modules(settings.app_module_names())
     from pipeline.registry import registry
 
     queues = [*(s.queue for s in registry.all()), PUBLISH_QUEUE_NAME]
-    result = read_status(settings, queues, Thresholds(max_pending_age, max_dead_letters))
+    result = read_status(
+        settings,
+        queues,
+        Thresholds(max_pending_age, max_dead_letters),
+        interval=window,
+        consumers=[s.consumer for s in registry.all()],
+    )
     if as_json:
         click.echo(json.dumps(result.as_json(), indent=2, sort_keys=True))
     else:
@@ -420,6 +450,68 @@ def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
         click.echo(json.dumps(lineage.as_json(), indent=2))
     else:
         click.echo("\n".join(render(lineage, settings.trace_ui_url)))
+
+
+def _retry_horizons(settings: Settings) -> dict[str, float]:
+    """Each registered consumer's retry horizon (seconds), after importing the app modules."""
+    from pipeline.inbox.canary import register_canary
+    from pipeline.inbox.consumer import definitions
+    from pipeline.registry import registry
+    from pipeline.runtime import import_app_modules
+
+    import_app_modules(settings.app_module_names())
+    register_canary(registry)
+    return {s.consumer: d.retry_horizon(settings) for s, d in definitions(registry)}
+
+
+@cli.command()
+@click.option("--dry-run", is_flag=True, help="Count what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
+@click.pass_context
+def prune(ctx: click.Context, dry_run: bool, as_json: bool, apps: tuple[str, ...]) -> None:
+    """Delete rows past their retention now (what the relay's janitor does periodically).
+
+    Sent events, processed inbox keys, attempt history and audit records older than
+    their PIPELINE_*_RETENTION_SECONDS; never anything still owed, pending or
+    dead-lettered. Exits 1 if a janitor or another prune is running.
+    """
+    import json
+
+    from pipeline.admin.prune import format_prune, run_prune
+
+    settings = _with_apps(_settings(ctx), apps)
+    horizon = max([settings.redelivery_horizon_seconds, *_retry_horizons(settings).values()])
+    result = run_prune(settings, dry_run=dry_run, min_inbox_seconds=horizon)
+    if as_json:
+        click.echo(json.dumps(result.as_json(), indent=2))
+    else:
+        click.echo(format_prune(result))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--app", "apps", multiple=True, help="Module that registers consumers (repeatable).")
+@click.pass_context
+def doctor(ctx: click.Context, as_json: bool, apps: tuple[str, ...]) -> None:
+    """Check the deployment: schema, indexes and triggers, LISTEN not behind a transaction
+    pooler, notification queue, settings, Redis eviction and persistence, clock skew,
+    dead letters and the canary. Each problem comes with its fix.
+
+    Exits 0 when nothing is wrong, 1 when anything is.
+    """
+    import json
+
+    from pipeline.admin.doctor import format_report, run_doctor
+
+    settings = _with_apps(_settings(ctx), apps)
+    settings.require_database_url()
+    report = run_doctor(settings, _retry_horizons(settings))
+    if as_json:
+        click.echo(json.dumps(report.as_json(), indent=2))
+    else:
+        click.echo(format_report(report))
+    ctx.exit(0 if report.healthy else 1)
 
 
 def main(argv: list[str] | None = None) -> None:

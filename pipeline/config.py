@@ -157,8 +157,16 @@ class Settings(BaseSettings):
     redelivery_horizon_seconds: PositiveFloat = 60.0  # an outcome overdue this long: send again
     reconcile_interval_seconds: PositiveFloat = 5.0  # seconds between the relay's ledger sweeps
 
-    # Housekeeping
+    # Retention: the relay's janitor deletes rows older than these ages (prune.py)
     sent_retention_seconds: PositiveInt = 7 * 24 * 3600
+    attempts_retention_seconds: PositiveInt = 30 * 24 * 3600  # attempt and delivery history
+    audit_retention_seconds: PositiveInt = 365 * 24 * 3600
+    prune_interval_seconds: Annotated[float, Field(ge=0)] = 60.0  # 0 turns the janitor off
+    prune_batch_size: PositiveInt = 5000  # rows per delete, each its own short transaction
+
+    # Backpressure: unsent events (pending or publishing); 0 turns a threshold off
+    backlog_warn: Annotated[int, Field(ge=0)] = 10_000  # the relay's gauge and warning
+    backlog_limit: Annotated[int, Field(ge=0)] = 0  # add_event* raise BacklogFull above it
 
     @field_validator("schema_name", "redis_namespace")
     @classmethod

@@ -10,7 +10,8 @@ unreachable server); the CLI prints them as one line and exits non-zero::
     ├── ServiceUnavailableError   Postgres or Redis could not be reached (driver error wrapped)
     ├── MigrationError            the database schema could not be brought up to date
     ├── PermissionDeniedError     the database role lacks a grant (docs/security.md)
-    └── NotFoundError             an event or dead letter named by an operator does not exist
+    ├── NotFoundError             an event or dead letter named by an operator does not exist
+    └── BacklogFull               unsent events exceed PIPELINE_BACKLOG_LIMIT (nothing written)
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ class PermissionDeniedError(PipelineError):
 
 class NotFoundError(PipelineError, LookupError):
     """An id given by an operator matches nothing."""
+
+
+class BacklogFull(PipelineError):
+    """More unsent events than ``PIPELINE_BACKLOG_LIMIT``: the event was not written.
+
+    Raised before any SQL of the insert, so the caller's transaction stays usable (commit
+    its other work, or roll back and retry later).
+    """
 
 
 MAX_ERROR_LENGTH = 2000

@@ -4,13 +4,16 @@ The whole outbox guarantee (DESIGN I1) rests on the event row joining the
 business transaction, so these functions take the caller's SQLAlchemy
 ``Session``/``AsyncSession`` and never commit. Everything that can be wrong with
 an event is checked *before* any SQL runs, so a rejected event leaves the
-session and its transaction fully usable.
+session and its transaction fully usable; so does a refusal for a full backlog
+(:class:`BacklogGate`, ``PIPELINE_BACKLOG_LIMIT``), raised before the insert.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -25,7 +28,7 @@ from pipeline.config import Settings, get_settings
 from pipeline.db.connect import permission_denied
 from pipeline.db.ordering import ordering_lock_bucket
 from pipeline.db.queries import queries_for
-from pipeline.errors import EventValidationError, PermissionDeniedError
+from pipeline.errors import BacklogFull, EventValidationError, PermissionDeniedError
 from pipeline.ids import uuid7
 from pipeline.observability.tracing import span_headers, start_create_span
 from pipeline.registry import EVENT_TYPE
@@ -80,8 +83,13 @@ def add_events(session: Session, events: Sequence[NewEvent]) -> list[uuid.UUID]:
     settings = get_settings()
     rows = prepare_rows(events, settings)
     if rows:
+        connection = session.connection()
         try:
-            session.connection().exec_driver_sql(*_insert(rows, settings))
+            if settings.backlog_limit and _gate.due(settings):
+                query, params = _gate.query(settings)
+                _gate.record(settings, connection.exec_driver_sql(query, params).scalar_one())
+            _gate.check(settings)
+            connection.exec_driver_sql(*_insert(rows, settings))
         except DBAPIError as exc:
             denied = _denied(exc, settings)
             if denied is None:
@@ -104,6 +112,11 @@ async def add_events_async(session: AsyncSession, events: Sequence[NewEvent]) ->
     if rows:
         connection = await session.connection()
         try:
+            if settings.backlog_limit and _gate.due(settings):
+                query, params = _gate.query(settings)
+                result = await connection.exec_driver_sql(query, params)
+                _gate.record(settings, result.scalar_one())
+            _gate.check(settings)
             await connection.exec_driver_sql(*_insert(rows, settings))
         except DBAPIError as exc:
             denied = _denied(exc, settings)
@@ -116,9 +129,60 @@ async def add_events_async(session: AsyncSession, events: Sequence[NewEvent]) ->
 def _denied(exc: DBAPIError, settings: Settings) -> PermissionDeniedError | None:
     """A missing grant as one clear error (the transaction is aborted, as for any failed SQL)."""
     schema = settings.schema_name
-    return permission_denied(
-        exc, f"adding events needs USAGE on schema {schema} and INSERT on {schema}.outbox"
-    )
+    needed = f"INSERT on {schema}.outbox"
+    if settings.backlog_limit:
+        needed = f"SELECT and INSERT on {schema}.outbox (PIPELINE_BACKLOG_LIMIT counts it)"
+    return permission_denied(exc, f"adding events needs USAGE on schema {schema} and {needed}")
+
+
+class BacklogGate:
+    """``PIPELINE_BACKLOG_LIMIT`` on the producer's path, for at most one count a second.
+
+    Each process keeps the last count of unsent events per schema; a producer counts
+    again (no further than the limit + 1, on the unsent rows' index, in its own
+    transaction) only when that figure is over a second old, so the limit costs one
+    bounded query per second per process, not one per event. The limit is therefore
+    approximate: up to a second of events may pass it before producers see it. With no
+    limit set, nothing is counted.
+    """
+
+    REFRESH_SECONDS = 1.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[str, tuple[float, int]] = {}  # schema -> (monotonic time, count)
+
+    def due(self, settings: Settings) -> bool:
+        counted = self._counts.get(settings.schema_name)
+        return counted is None or time.monotonic() - counted[0] >= self.REFRESH_SECONDS
+
+    def query(self, settings: Settings) -> tuple[str, dict[str, Any]]:
+        return queries_for(settings.schema_name).text("backlog_count"), {
+            "limit": settings.backlog_limit + 1
+        }
+
+    def record(self, settings: Settings, unsent: int) -> None:
+        with self._lock:
+            self._counts[settings.schema_name] = (time.monotonic(), int(unsent))
+
+    def check(self, settings: Settings) -> None:
+        """Raise :class:`BacklogFull` when the last count is over the limit (no SQL)."""
+        if not settings.backlog_limit:
+            return
+        counted = self._counts.get(settings.schema_name)
+        if counted is not None and counted[1] > settings.backlog_limit:
+            raise BacklogFull(
+                f"more than {settings.backlog_limit} events are waiting to be published "
+                "(PIPELINE_BACKLOG_LIMIT); nothing was written: retry later"
+            )
+
+    def forget(self) -> None:
+        """Drop the cached counts (tests, or after changing the limit)."""
+        with self._lock:
+            self._counts.clear()
+
+
+_gate = BacklogGate()
 
 
 def _insert(rows: list[dict[str, Any]], settings: Settings) -> tuple[str, dict[str, Any]]:

@@ -16,6 +16,7 @@ from typing import Any
 import psycopg
 import redis
 
+from pipeline.admin.activity import ConsumerActivity, format_activity, read_activity
 from pipeline.admin.state import (
     QueueDepth,
     RelayInfo,
@@ -48,17 +49,31 @@ class Status:
     queues: dict[str, QueueDepth] | None = field(default=None)
     owed: dict[str, int] = field(default_factory=dict)
     keys_held: dict[str, int] = field(default_factory=dict)
+    interval_seconds: float = 300.0
+    consumers: dict[str, ConsumerActivity] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["oldest_pending_age_seconds"] = round(self.oldest_pending_age_seconds, 3)
+        data["consumers"] = {name: a.as_json() for name, a in self.consumers.items()}
         for relay in data["relays"]:
             relay["heartbeat_age_seconds"] = round(relay["heartbeat_age_seconds"], 3)
         return data
 
 
-def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -> Status:
-    """Read Postgres (and Redis, when configured) once; raises PipelineError subclasses."""
+def read_status(
+    settings: Settings,
+    queues: list[str],
+    thresholds: Thresholds,
+    *,
+    interval: float = 300.0,
+    consumers: list[str] | None = None,
+) -> Status:
+    """Read Postgres (and Redis, when configured) once; raises PipelineError subclasses.
+
+    Per-consumer activity covers the last ``interval`` seconds (``consumers`` are listed
+    even when idle).
+    """
     url = settings.require_database_url()
     with connect(settings, autocommit=True) as conn:
         try:
@@ -67,6 +82,7 @@ def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -
                 conn, settings.schema_name, settings.redelivery_horizon_seconds
             )
             relays = read_relays(conn, settings.schema_name)
+            activity = read_activity(conn, settings.schema_name, interval, consumers or ())
         except psycopg.OperationalError as exc:
             raise ServiceUnavailableError(
                 f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
@@ -117,6 +133,8 @@ def read_status(settings: Settings, queues: list[str], thresholds: Thresholds) -
         queues=depths,
         owed={consumer: n for consumer, n in database.owed.items() if n},
         keys_held={consumer: n for consumer, n in database.keys_held.items() if n},
+        interval_seconds=interval,
+        consumers=activity,
     )
 
 
@@ -131,6 +149,7 @@ def format_status(status: Status) -> str:
     lines.append(f"dead letters: {dead}")
     owed = ", ".join(f"{k} {v}" for k, v in sorted(status.owed.items())) or "none"
     lines.append(f"deliveries owed past the horizon: {owed}")
+    lines += format_activity(status.consumers, status.interval_seconds)
     if status.relays:
         lines.append("relays:")
         for relay in status.relays:

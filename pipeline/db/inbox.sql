@@ -80,3 +80,9 @@ ON CONFLICT (consumer, event_id) DO NOTHING;
 UPDATE {schema}.inbox
 SET status = 'dead', last_error = %(error)s, last_error_class = 'UnprocessableMessage'
 WHERE consumer = %(consumer)s AND event_id = ANY(%(event_ids)s) AND status IN ('pending', 'failed');
+
+-- name: inbox_log_duplicates
+-- Deliveries acknowledged without running the handler (already processed or dead-lettered,
+-- or the same event twice in one message), for `pipeline status`; only duplicates pay.
+INSERT INTO {schema}.delivery_log (consumer, event_id, kind)
+SELECT %(consumer)s, e.event_id, 'duplicate' FROM unnest(%(event_ids)s::uuid[]) AS e (event_id);

@@ -67,10 +67,16 @@ FROM owed
 LEFT JOIN {schema}.outbox o ON o.id = owed.event_id;
 
 -- name: ledger_redelivered
-UPDATE {schema}.inbox i
-SET delivered_at = clock_timestamp(), redeliveries = i.redeliveries + 1
-FROM unnest(%(consumers)s::text[], %(event_ids)s::uuid[]) AS r (consumer, event_id)
-WHERE i.consumer = r.consumer AND i.event_id = r.event_id;
+-- Each delivery sent again is also logged (delivery_log), for `pipeline status`.
+WITH redelivered AS (
+    UPDATE {schema}.inbox i
+    SET delivered_at = clock_timestamp(), redeliveries = i.redeliveries + 1
+    FROM unnest(%(consumers)s::text[], %(event_ids)s::uuid[]) AS r (consumer, event_id)
+    WHERE i.consumer = r.consumer AND i.event_id = r.event_id
+    RETURNING i.consumer, i.event_id
+)
+INSERT INTO {schema}.delivery_log (consumer, event_id, kind)
+SELECT consumer, event_id, 'redelivery' FROM redelivered;
 
 -- name: ledger_vanished
 -- An owed delivery whose event is no longer in the outbox cannot be sent again: finished

@@ -66,6 +66,11 @@ def functions_sql(schema: str) -> str:
     )
 
 
+def functions_checksum(schema: str) -> str:
+    """The checksum ``upgrade`` records for :func:`functions_sql` (``pipeline doctor``)."""
+    return _checksum(functions_sql(schema))
+
+
 def _quoted(schema: str) -> str:
     return sql.Identifier(validate_identifier(schema, "schema name")).as_string()
 

@@ -47,6 +47,18 @@ RELAY: Grants = {
     "delivery_sweep": frozenset({"SELECT", "INSERT", "UPDATE"}),
     # the relay's heartbeat (INSERT ... ON CONFLICT DO UPDATE) and its removal at exit
     "relay_state": frozenset({"SELECT", "INSERT", "UPDATE", "DELETE"}),
+    # each delivery the sweep sends again is logged (for `pipeline status`)
+    "delivery_log": frozenset({"INSERT"}),
+}
+JANITOR: Grants = {
+    # retention (retention.sql): each table's expired rows are read, then deleted; sent
+    # events are kept while a dead letter refers to them, attempts of dead-lettered events
+    "outbox": frozenset({"SELECT", "DELETE"}),
+    "inbox": frozenset({"SELECT", "DELETE"}),
+    "attempts": frozenset({"SELECT", "DELETE"}),
+    "delivery_log": frozenset({"SELECT", "DELETE"}),
+    "audit_log": frozenset({"SELECT", "DELETE"}),
+    "dead_letters": frozenset({"SELECT"}),
 }
 CANARY: Grants = {"outbox": frozenset({"INSERT"})}  # the relay commits heartbeat events
 STARTUP: Grants = {
@@ -58,6 +70,7 @@ CONSUMING: Grants = {
     "attempts": frozenset({"INSERT"}),  # failed handler attempts
     "dead_letters": frozenset({"INSERT"}),  # events that ran out of retries
     "outbox": frozenset({"INSERT"}),  # follow-up events published by handlers
+    "delivery_log": frozenset({"INSERT"}),  # duplicate deliveries (for `pipeline status`)
 }
 
 
@@ -91,9 +104,18 @@ def combine(*parts: Grants) -> dict[str, frozenset[str]]:
     return merged
 
 
-def relay_grants(*, publishing: bool, canary: bool) -> dict[str, frozenset[str]]:
-    """What ``pipeline relay`` needs (``publishing`` is false in ``--mode workers``)."""
-    return combine(STARTUP, RELAY, PUBLISHING if publishing else {}, CANARY if canary else {})
+def relay_grants(
+    *, publishing: bool, canary: bool, janitor: bool = True
+) -> dict[str, frozenset[str]]:
+    """What ``pipeline relay`` needs (``publishing`` is false in ``--mode workers``;
+    ``janitor`` false with ``PIPELINE_PRUNE_INTERVAL_SECONDS=0``)."""
+    return combine(
+        STARTUP,
+        RELAY,
+        PUBLISHING if publishing else {},
+        CANARY if canary else {},
+        JANITOR if janitor else {},
+    )
 
 
 def worker_grants(*, publishing: bool) -> dict[str, frozenset[str]]:

@@ -18,7 +18,14 @@ from pipeline.config import validate_identifier
 _HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 
 
-QUERY_FILES = ("queries.sql", "inbox.sql", "ledger.sql", "dlq.sql")
+QUERY_FILES = (
+    "queries.sql",
+    "inbox.sql",
+    "ledger.sql",
+    "dlq.sql",
+    "retention.sql",
+    "diagnostics.sql",
+)
 
 
 @lru_cache(maxsize=1)

@@ -155,6 +155,7 @@ attempts = Table(
     Column("occurred_at", DateTime(timezone=True), nullable=False, server_default=_now),
     CheckConstraint("stage IN ('publish', 'consume')", name="attempts_stage_check"),
     Index("attempts_event_idx", "event_id"),
+    Index("attempts_occurred_idx", "occurred_at"),
 )
 
 dead_letters = Table(
@@ -189,6 +190,19 @@ audit_log = Table(
     Column("action", Text, nullable=False),
     Column("parameters", JSONB, nullable=False, server_default=text("'{}'::jsonb")),
     Column("affected", Integer, nullable=False, server_default=text("0")),
+    Index("audit_log_at_idx", "at"),
+)
+
+# Duplicate deliveries and ledger re-deliveries, one row each, for per-consumer figures.
+delivery_log = Table(
+    "delivery_log",
+    metadata,
+    Column("consumer", Text, nullable=False),
+    Column("event_id", UUID(as_uuid=True), nullable=False),
+    Column("kind", Text, nullable=False),
+    Column("at", DateTime(timezone=True), nullable=False, server_default=_now),
+    CheckConstraint("kind IN ('duplicate', 'redelivery')", name="delivery_log_kind_check"),
+    Index("delivery_log_at_idx", "at"),
 )
 
 relay_state = Table(

@@ -74,6 +74,7 @@ class Outcome:
     deferred: int = 0
     dead: int = 0
     resends: list[Resend] = field(default_factory=list)
+    duplicate_events: list[ReceivedEvent] = field(default_factory=list)  # one at a time
 
 
 @dataclass
@@ -143,6 +144,7 @@ class InboxProcessor:
                         self._handle_events(session, events, outcome, deferrals)
                     else:
                         self._handle_batch(session, events, outcome, committed)
+                    self._log_duplicates(session, committed, outcome)
                     session.commit()
                 except BaseException:
                     session.rollback()
@@ -260,8 +262,18 @@ class InboxProcessor:
         outcome.processed += len(committed.processed)
         outcome.duplicates += len(duplicates)
 
+    def _log_duplicates(self, session: Session, committed: Committed, outcome: Outcome) -> None:
+        """Record this message's duplicates in ``delivery_log``, in its transaction."""
+        seen = committed.duplicates + committed.copies + outcome.duplicate_events
+        if seen:
+            session.connection().exec_driver_sql(
+                self.queries.text("inbox_log_duplicates"),
+                {"consumer": self.subscription.consumer, "event_ids": [e.id for e in seen]},
+            )
+
     def _count_duplicate(self, event: ReceivedEvent, outcome: Outcome) -> None:
         outcome.duplicates += 1
+        outcome.duplicate_events.append(event)
         metrics.inbox_duplicates.labels(self.subscription.consumer, event.type).inc()
         self._duplicate_span(event)
 
@@ -400,6 +412,7 @@ class InboxProcessor:
             # Rolling back to the savepoint released the claim's row lock, and a concurrent
             # copy of this event has since processed (or dead-lettered) it: a duplicate.
             outcome.duplicates += 1
+            outcome.duplicate_events.append(event)
             metrics.inbox_duplicates.labels(consumer, event.type).inc()
             tracing.mark_duplicate(span)
             return None

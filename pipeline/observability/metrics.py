@@ -135,6 +135,17 @@ relay_listener_reconnects = Counter(
     "Times the relay re-established its LISTEN connection.",
 )
 
+pruned_rows = Counter(
+    "pipeline_pruned_rows_total",
+    "Rows the relay's janitor deleted past their retention, by table.",
+    ["table"],
+)
+backlog_over_warning = Gauge(
+    "pipeline_backlog_over_warning",
+    "1 while more events are unsent than PIPELINE_BACKLOG_WARN (checked by the relay).",
+    multiprocess_mode="max",
+)
+
 # -- inbox (consumer side) -------------------------------------------------------------------
 inbox_processed = Counter(
     "pipeline_inbox_processed_total",

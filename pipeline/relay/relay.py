@@ -18,6 +18,10 @@ Publishing is done inline (the fewest hops on the idle path) and, when a batch c
 back full, also by up to ``publishers_in_flight`` Dramatiq publishing actors that
 drain the backlog in the worker processes (``mode="auto"``). ``mode="workers"``
 only dispatches actors; ``mode="inline"`` never does.
+
+Between cycles the loop also commits the canary, runs the delivery ledger's sweep
+(``ledger.py``) and counts the backlog against its warning threshold (``backlog.py``);
+the janitor (``janitor.py``) prunes on a thread of its own.
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ from pipeline.db.queries import queries_for
 from pipeline.errors import ServiceUnavailableError
 from pipeline.observability import metrics
 from pipeline.registry import Registry
+from pipeline.relay.backlog import BacklogMonitor
 from pipeline.relay.canary import emit_canary
 from pipeline.relay.drain import Drainer
+from pipeline.relay.janitor import Janitor
 from pipeline.relay.ledger import DeliveryLedger
 from pipeline.relay.listener import Listener
 from pipeline.transport.publisher import Publisher, PublisherUnavailable
@@ -153,6 +159,8 @@ class Relay:
         self.ledger = DeliveryLedger(settings, registry, publisher)
         self._next_sweep = 0.0
         self._backoff = Backoff(FIRST_RETRY, settings.reconnect_backoff_max)
+        self.janitor = Janitor(settings, registry, self.stop)  # prunes on its own thread
+        self.backlog = BacklogMonitor(settings)
 
     # -- lifecycle -------------------------------------------------------------------------
     def run(self) -> None:
@@ -171,6 +179,7 @@ class Relay:
                 self.settings.reconnect_backoff_max,
             )
             self.listener.start()
+        self.janitor.start()
         log.info("relay started", extra={"relay_id": self.relay_id, "mode": self.mode})
         try:
             while not self.stop.is_set():
@@ -190,6 +199,7 @@ class Relay:
             self._close_connection()
             if self.listener is not None:
                 self.listener.join(timeout=5)
+            self.janitor.join(timeout=5)
             log.info("relay stopped", extra={"relay_id": self.relay_id})
 
     def _outage(self, exc: BaseException) -> str:
@@ -224,6 +234,7 @@ class Relay:
                 self._next_canary = time.monotonic() + self.settings.canary_interval
             if time.monotonic() >= self._next_sweep:
                 self._sweep_ledger(conn)
+            self.backlog.maybe_check(conn)
             metrics.relay_wakeups.labels(source).inc()
             self.cycles += 1
             found, backlog = self._cycle(drainer)

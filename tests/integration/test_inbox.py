@@ -473,8 +473,17 @@ def test_a_batch_without_failures_claims_once_and_uses_no_savepoint(engine, inbo
     assert (outcome.processed, outcome.duplicates, outcome.retried) == (3, 2, 0)
     assert metrics.inbox_duplicates.labels("batcher", "step")._value.get() == before + 2
     assert stage_counts(engine, "b") == Counter({"1": 1, "2": 1, "3": 1, "4": 1})
-    # one claim for the message, one INSERT per handler, and no SAVEPOINT / RELEASE
-    assert Counter(statements) == Counter({"INSERT": 4})
+    # one claim for the message, one INSERT per handler, one recording the two duplicates
+    # (delivery_log, for `pipeline status`), and no SAVEPOINT / RELEASE
+    assert Counter(statements) == Counter({"INSERT": 5})
+    with engine.connect() as conn:
+        logged = conn.execute(
+            text(
+                "SELECT kind, count(*) FROM pipeline.delivery_log"
+                " WHERE consumer = 'batcher' GROUP BY kind"
+            )
+        ).all()
+    assert logged == [("duplicate", 2)]
 
 
 def test_a_failing_handler_in_a_batch_keeps_its_neighbours_and_runs_once(engine, inbox_settings):

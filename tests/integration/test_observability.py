@@ -918,6 +918,8 @@ def test_status_json_reports_state_and_exit_codes(engine, runtime, settings):
         "queues",
         "owed",
         "keys_held",
+        "interval_seconds",
+        "consumers",
     }
     assert report["healthy"] is True and report["problems"] == []
     assert report["owed"] == {} and report["keys_held"] == {}

@@ -542,6 +542,7 @@ READERS = {  # the operator command that reads each table
     "pipeline.dead_letters": ["status"],
     "pipeline.relay_state": ["status"],
     "pipeline.delivery_sweep": ["status"],
+    "pipeline.delivery_log": ["status"],
     "pipeline.attempts": ["trace", "EVENT"],
     "pipeline.inbox": ["trace", "EVENT"],
     "pipeline.schema_migrations": ["db", "pending"],

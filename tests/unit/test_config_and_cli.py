@@ -153,6 +153,12 @@ BAD_VALUES = {
     "redelivery_horizon_seconds": "0",
     "reconcile_interval_seconds": "soon",
     "sent_retention_seconds": "0",
+    "attempts_retention_seconds": "-5",
+    "audit_retention_seconds": "forever",
+    "prune_interval_seconds": "-1",
+    "prune_batch_size": "0",
+    "backlog_warn": "-1",
+    "backlog_limit": "many",
 }
 
 

@@ -1,0 +1,98 @@
+"""Gauges of the pipeline tables' size, so retention can be watched working.
+
+Read from the catalog (``pg_class.reltuples``, ``pg_total_relation_size``): no table is
+scanned, and the figures are cached for ``PIPELINE_STATE_METRICS_INTERVAL`` seconds
+however often they are scraped. The relay serves them with its state gauges.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import psycopg
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pipeline.config import Settings
+from pipeline.db.connect import connect
+from pipeline.db.queries import queries_for
+from pipeline.db.retention import TABLES
+from pipeline.errors import ServiceUnavailableError
+
+log = logging.getLogger("pipeline.state")
+
+
+class TableSizeCollector(Collector):
+    """``pipeline_table_rows_estimate`` and ``pipeline_table_size_bytes`` by table."""
+
+    def __init__(self, settings: Settings, interval: float | None = None) -> None:
+        self.settings = settings
+        self.interval = settings.state_metrics_interval if interval is None else interval
+        self._lock = threading.Lock()
+        self._conn: psycopg.Connection[Any] | None = None
+        self._read_at: float | None = None
+        self._sizes: list[tuple[str, float, float]] | None = None
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return list(self._families(None))
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        with self._lock:
+            now = time.monotonic()
+            if self._read_at is None or now - self._read_at >= self.interval:
+                self._sizes = self._read()
+                self._read_at = time.monotonic()
+            return list(self._families(self._sizes))
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _read(self) -> list[tuple[str, float, float]] | None:
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = connect(self.settings, autocommit=True)
+                self._conn.execute("SET statement_timeout = '5s'")
+            rows = self._conn.execute(
+                queries_for(self.settings.schema_name)["table_sizes"],
+                {"schema_name": self.settings.schema_name, "tables": list(TABLES)},
+            ).fetchall()
+        except (psycopg.Error, ServiceUnavailableError) as exc:
+            log.warning(
+                "table size metrics: Postgres unreadable", extra={"error_class": _name(exc)}
+            )
+            self._close()
+            return None
+        return [(str(name), float(rows_), float(size)) for name, rows_, size in rows]
+
+    def _close(self) -> None:
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            finally:
+                self._conn = None
+
+    @staticmethod
+    def _families(sizes: list[tuple[str, float, float]] | None) -> Iterator[GaugeMetricFamily]:
+        rows = GaugeMetricFamily(
+            "pipeline_table_rows_estimate",
+            "Rows in a pipeline table, as the planner estimates them (pg_class.reltuples).",
+            labels=["table"],
+        )
+        size = GaugeMetricFamily(
+            "pipeline_table_size_bytes",
+            "Disk space of a pipeline table with its indexes and TOAST.",
+            labels=["table"],
+        )
+        for name, estimate, total in sizes or ():
+            rows.add_metric([name], estimate)
+            size.add_metric([name], total)
+        yield from (rows, size)
+
+
+def _name(exc: BaseException) -> str:
+    return type(exc).__name__
