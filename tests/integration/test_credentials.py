@@ -39,11 +39,11 @@ COMMANDS = [
     ["status", "--json"],
     ["trace", EVENT_ID],
     ["trace", EVENT_ID, "--json"],
-    ["relay", "--metrics-port", "0"],
-    ["worker", "--metrics-port", "0"],
     ["db", "upgrade"],
     ["db", "pending"],
 ]
+SERVING = [["relay", "--metrics-port", "0"], ["worker", "--metrics-port", "0"]]
+"""Long-running commands: with a server missing or refusing they wait, logging why."""
 
 
 def free_port() -> int:
@@ -83,6 +83,35 @@ def env_for(settings: Settings, **urls: str) -> dict[str, str]:
 # -- a server that is not there ----------------------------------------------------------------
 
 
+def assert_waits_without_secrets(env: dict[str, str], args: list[str], log, *secrets: str) -> str:
+    """A relay or worker that cannot use its server waits (one line per try, naming the
+    server), stops cleanly on SIGTERM, and never prints a secret or a traceback."""
+    process = start_process([sys.executable, "-m", "pipeline.cli", *args], env, log)
+    try:
+        wait_until(lambda: "next try in" in log.read_text(), timeout=60)
+    finally:
+        stop_process(process)
+    output = log.read_text()
+    for secret in secrets:
+        assert secret not in output, output
+    assert "Traceback" not in output, output
+    assert process.returncode == 0, output
+    return output
+
+
+@pytest.mark.parametrize("args", SERVING, ids=" ".join)
+def test_a_serving_process_waits_for_an_unreachable_server_without_the_password(
+    settings, args, tmp_path
+):
+    env = env_for(
+        settings,
+        PIPELINE_DATABASE_URL=f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/x",
+        PIPELINE_REDIS_URL=f"redis://:{REDIS_SECRET}@127.0.0.1:{free_port()}/0",
+    )
+    output = assert_waits_without_secrets(env, args, tmp_path / "p.log", SECRET, REDIS_SECRET)
+    assert "Postgres at 127.0.0.1:" in output
+
+
 @pytest.mark.parametrize("args", COMMANDS, ids=" ".join)
 def test_an_unreachable_server_is_named_without_the_password(settings, args):
     env = env_for(
@@ -112,7 +141,7 @@ def test_an_unreachable_server_is_named_without_the_password(settings, args):
     ],
     ids=["ipv6", "port", "percent", "sslmode", "option", "quoted"],
 )
-@pytest.mark.parametrize("args", [["status"], ["db", "upgrade"], ["relay"]], ids=" ".join)
+@pytest.mark.parametrize("args", [["status"], ["db", "upgrade"]], ids=" ".join)
 def test_an_unparseable_url_is_refused_without_the_password(settings, url, reason, args):
     result = run(env_for(settings, PIPELINE_DATABASE_URL=url), args)
     line = assert_refused_without_secrets(result, SECRET, QUOTED)
@@ -158,6 +187,17 @@ def test_the_private_server_does_check_passwords(password_postgres):
         psycopg.connect(good.replace(RIGHT, SECRET)).close()
 
 
+@pytest.mark.parametrize("args", SERVING, ids=" ".join)
+def test_a_serving_process_waits_on_a_rejected_password_without_repeating_it(
+    settings, password_postgres, args, tmp_path
+):
+    url = f"postgresql://app:{SECRET}@127.0.0.1:{password_postgres.port}/postgres"
+    output = assert_waits_without_secrets(
+        env_for(settings, PIPELINE_DATABASE_URL=url), args, tmp_path / "p.log", SECRET
+    )
+    assert 'password authentication failed for user "app"' in output
+
+
 @pytest.mark.parametrize("args", COMMANDS, ids=" ".join)
 def test_a_rejected_password_is_not_repeated(settings, password_postgres, args):
     url = f"postgresql://app:{SECRET}@127.0.0.1:{password_postgres.port}/postgres"
@@ -199,9 +239,8 @@ def test_relay_and_worker_logs_never_hold_a_rejected_redis_password(
         tmp_path / "w.log",
     )
     try:
-        wait_until(lambda: "relay started" in (tmp_path / "r.log").read_text(), timeout=30)
         produce(engine, [NewEvent("role.order", {"order": "o1"})])
-        # the relay's first publish meets the refusal (logged with its class, or fatal)
+        # both wait at start-up for a Redis that accepts them, naming the refusal
         wait_until(lambda: "AuthenticationError" in (tmp_path / "r.log").read_text(), timeout=30)
         wait_until(lambda: "AuthenticationError" in (tmp_path / "w.log").read_text(), timeout=30)
     finally:
