@@ -43,7 +43,6 @@ from pipeline.demo.report import CONSUMERS, RunFacts, build_summary, render_text
 from pipeline.demo.services import (
     ChildProcess,
     Cleanup,
-    DemoError,
     choose_port,
     count_in_file,
     stop_all,
@@ -56,6 +55,7 @@ from pipeline.demo.workload import (
     OrderProducer,
     run_in_background,
 )
+from pipeline.errors import DemoError
 
 APP_MODULE = "pipeline.demo.app"
 WORKER_READY_LINE = "Worker process is ready for action"
@@ -142,12 +142,13 @@ class _Demo:
         settings = layout.settings
         configure(settings)
         self.cleanup.push("reset the settings", lambda: configure(None))
-        from pipeline.db.connect import make_engine, readable_database_errors
+        from pipeline.db.connect import make_engine
+        from pipeline.driver_errors import wrap_driver_errors
 
         engine = make_engine(settings, pool_size=4, max_overflow=4)
         self.cleanup.push("close database connections", engine.dispose)
         queries = DemoQueries(settings.schema_name, layout.app_schema)
-        with readable_database_errors(settings):
+        with wrap_driver_errors(settings):
             return self._run_on(engine, queries, layout)
 
     def _run_on(self, engine: Engine, queries: DemoQueries, layout: Layout) -> int:
@@ -369,7 +370,7 @@ class _Demo:
                 )
         except DBAPIError as exc:
             if isinstance(exc, OperationalError):
-                raise  # cannot connect: readable_database_errors says so in one line
+                raise  # cannot connect: wrap_driver_errors says so in one line
             if isinstance(exc.orig, psycopg.errors.DuplicateSchema):
                 raise DemoError(f"schema {schemas} already exists; run the demo again") from None
             raise DemoError(

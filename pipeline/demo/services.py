@@ -24,13 +24,9 @@ from types import FrameType
 from typing import IO
 
 from pipeline.childprocess import die_with_parent
-from pipeline.errors import PipelineError
+from pipeline.errors import DemoError
 
 STOP_GRACE_SECONDS = 15.0
-
-
-class DemoError(PipelineError):
-    """The demo could not run (a server did not start, a process died, a timeout)."""
 
 
 class Cleanup:
