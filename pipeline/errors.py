@@ -24,7 +24,7 @@ talk to the servers; anything else that escapes is a bug and keeps its traceback
 
 The classes are re-exported where they are raised (``pipeline.envelope.EnvelopeError``,
 ``pipeline.transport.publisher.PublisherUnavailable``, ``pipeline.testing.embedded``'s
-server errors, ``pipeline.demo.services.DemoError``), so either import path works.
+server errors), so either import path works.
 """
 
 from __future__ import annotations

@@ -140,8 +140,8 @@ class EmbeddedServer:
             self._port_proven = True
             return
 
-    def stop(self) -> None:
-        """Shut down cleanly; escalate to SIGKILL after ``stop_timeout`` seconds."""
+    def stop(self, timeout: float | None = None) -> None:
+        """Shut down cleanly; SIGKILL after ``timeout`` seconds (default ``stop_timeout``)."""
         proc = self._proc
         if proc is None:
             return
@@ -149,7 +149,7 @@ class EmbeddedServer:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, self._stop_signal)
             try:
-                proc.wait(timeout=self._stop_timeout)
+                proc.wait(timeout=self._stop_timeout if timeout is None else timeout)
             except subprocess.TimeoutExpired:
                 self._kill_tree()
                 return
@@ -169,9 +169,9 @@ class EmbeddedServer:
         self.stop()
         self.start()
 
-    def cleanup(self) -> None:
-        """Stop, and delete the data directory if this object made it (a caller's dir is kept)."""
-        self.stop()
+    def cleanup(self, timeout: float | None = None) -> None:
+        """Stop (see :meth:`stop`), and delete the data directory if this object made it."""
+        self.stop(timeout)
         if self._owns_data_dir:
             shutil.rmtree(self._data_dir, ignore_errors=True)
         self._watchdog.guard()  # nothing left to undo
