@@ -85,7 +85,7 @@ def run_demo(options: DemoOptions) -> int:
     console = Console(quiet=options.as_json)
     cleanup = Cleanup(console.warn)
     demo = _Demo(options, console, cleanup)
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = {sig: signal.signal(sig, demo.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return demo.run()
     except KeyboardInterrupt:
@@ -99,11 +99,8 @@ def run_demo(options: DemoOptions) -> int:
     finally:
         console.done()
         cleanup.close()
-        signal.signal(signal.SIGTERM, previous)
-
-
-def _interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # SIGTERM (docker stop, timeout) cleans up like Ctrl-C
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _describe(exc: BaseException) -> str:
@@ -123,6 +120,16 @@ class _Demo:
         self.watchdog = Watchdog()
         self.endpoints: dict[str, str] = {}
         self.notes: list[str] = []
+        self.stop_requested = False
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Ctrl-C or SIGTERM (docker stop, a timeout): stop and clean up.
+
+        The flag outlives the exception: a KeyboardInterrupt raised while Python runs a
+        finalizer is swallowed, so every waiting loop also checks the flag each tick.
+        """
+        self.stop_requested = True
+        raise KeyboardInterrupt
 
     def logs_hint(self) -> str:
         return f" (process logs kept in {self.log_dir})" if self.log_dir and self.children else ""
@@ -381,6 +388,9 @@ class _Demo:
         self.console.step(f"relay and workers ready after {time.monotonic() - self.started:.1f} s")
 
     def _check_children(self) -> None:
+        """Called on every tick of every waiting loop: a stop request, or a dead child."""
+        if self.stop_requested:
+            raise KeyboardInterrupt
         for child in self.children:
             if not child.running():
                 raise child.died()
