@@ -22,7 +22,7 @@ from pipeline.config import Settings, load_settings, redact_url
 from pipeline.demo.cleanup import Cleanup
 from pipeline.demo.sql import DemoQueries
 from pipeline.demo.workload import SKUS, STOCK_PER_SKU
-from pipeline.driver_errors import first_line
+from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError, EmbeddedServerError
 
 APP_MODULE = "pipeline.demo.app"
@@ -147,7 +147,7 @@ def prepare_database(
             raise DemoError(f"schema {schemas} already exists; run the demo again") from None
         cause = exc.orig or exc
         raise DemoError(
-            f"cannot prepare the database: {type(cause).__name__}: {first_line(cause)}"
+            f"cannot prepare the database: {type(cause).__name__}: {driver_reason(cause)}"
         ) from None
     if layout.own_schemas:
         notes.append(

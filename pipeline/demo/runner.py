@@ -51,7 +51,7 @@ from pipeline.demo.progress import Console, Snapshot
 from pipeline.demo.report import CONSUMERS, RunFacts, build_summary, render_text
 from pipeline.demo.sql import DemoQueries
 from pipeline.demo.workload import DuplicateInjector, OrderProducer
-from pipeline.driver_errors import first_line
+from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError
 from pipeline.testing.watchdog import Watchdog
 
@@ -104,7 +104,7 @@ def run_demo(options: DemoOptions) -> int:
 
 
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {first_line(exc)}"
+    return f"{type(exc).__name__}: {driver_reason(exc)}"
 
 
 class _Demo:

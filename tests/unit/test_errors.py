@@ -30,7 +30,7 @@ def test_every_error_is_a_pipeline_error_drawn_in_the_tree():
         for value in vars(errors).values()
         if inspect.isclass(value) and issubclass(value, BaseException)
     ]
-    assert len(classes) == 14
+    assert len(classes) == 15
     tree = errors.__doc__ or ""
     for cls in classes:
         assert issubclass(cls, errors.PipelineError), cls
@@ -56,7 +56,10 @@ def test_public_names_and_the_modules_that_raise_them_share_the_classes():
 def test_a_refused_postgres_connection_is_one_line_naming_the_server_without_its_password():
     error = translate(psycopg.OperationalError(REFUSED), SETTINGS, "connect to")
     assert isinstance(error, errors.ServiceUnavailableError)
-    assert str(error) == "cannot connect to Postgres at 127.0.0.1:1/appdb: Connection refused"
+    assert str(error) == (
+        "cannot connect to Postgres at 127.0.0.1:1/appdb: "
+        'connection to server at "127.0.0.1", port 1 failed: Connection refused'
+    )
 
 
 def test_sqlalchemy_wrapped_driver_errors_are_unwrapped():
@@ -74,11 +77,27 @@ def test_a_missing_pipeline_table_says_to_upgrade_but_other_missing_tables_stay_
     missing = psycopg.errors.UndefinedTable('relation "pipeline.relay_state" does not exist')
     error = translate(missing, SETTINGS)
     assert isinstance(error, errors.MigrationError)
-    assert "run `pipeline db upgrade`" in str(error)
-    assert 'relation "pipeline.relay_state" does not exist' in str(error)
+    assert (
+        str(error) == "the pipeline schema 'pipeline' is not installed: run `pipeline db upgrade`"
+    )
     other = psycopg.errors.UndefinedTable('relation "shop.orders" does not exist')
     assert translate(other, SETTINGS) is None
     assert translate(psycopg.errors.UniqueViolation("duplicate key"), SETTINGS) is None
+
+
+def test_permission_denied_and_an_unparseable_url_are_one_line_too():
+    denied = psycopg.errors.InsufficientPrivilege("permission denied for table outbox")
+    error = translate(denied, SETTINGS)
+    assert isinstance(error, errors.PermissionDeniedError)
+    assert str(error) == (
+        "permission denied for table outbox: the database role lacks a grant (see docs/security.md)"
+    )
+    unparseable = psycopg.ProgrammingError('invalid dsn: missing "=" after "s3cret"')
+    error = translate(unparseable, SETTINGS, "connect to")
+    assert isinstance(error, errors.ConfigurationError)
+    assert "PIPELINE_DATABASE_URL: not a valid Postgres URL" in str(error)
+    assert "s3cret" not in str(error)
+    assert translate(unparseable, SETTINGS, "use") is None  # after connecting: a bug
 
 
 def test_redis_errors_name_the_server_without_its_password():
