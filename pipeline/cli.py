@@ -44,13 +44,14 @@ def db() -> None:
 @click.pass_context
 def db_upgrade(ctx: click.Context) -> None:
     """Apply pending migrations (safe to run concurrently and repeatedly)."""
-    from pipeline.db.connect import make_engine, readable_database_errors
+    from pipeline.db.connect import make_engine
     from pipeline.db.migrate import upgrade
+    from pipeline.driver_errors import wrap_driver_errors
 
     settings = _settings(ctx)
     engine = make_engine(settings)
     try:
-        with readable_database_errors(settings), engine.begin() as connection:
+        with wrap_driver_errors(settings), engine.begin() as connection:
             result = upgrade(connection, settings.schema_name)
     finally:
         engine.dispose()
@@ -66,13 +67,14 @@ def db_upgrade(ctx: click.Context) -> None:
 @click.pass_context
 def db_pending(ctx: click.Context) -> None:
     """List migrations not yet applied; exits 1 when any are pending."""
-    from pipeline.db.connect import make_engine, readable_database_errors
+    from pipeline.db.connect import make_engine
     from pipeline.db.migrate import pending_migrations
+    from pipeline.driver_errors import wrap_driver_errors
 
     settings = _settings(ctx)
     engine = make_engine(settings)
     try:
-        with readable_database_errors(settings), engine.connect() as connection:
+        with wrap_driver_errors(settings), engine.connect() as connection:
             pending = pending_migrations(connection, settings.schema_name)
     finally:
         engine.dispose()
@@ -435,14 +437,15 @@ def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
     import uuid
 
     from pipeline.admin.lineage import load_lineage, render
-    from pipeline.db.connect import connect, readable_psycopg_errors
+    from pipeline.db.connect import connect
+    from pipeline.driver_errors import wrap_driver_errors
 
     try:
         wanted = uuid.UUID(event_id)
     except ValueError:
         raise click.BadParameter(f"{event_id!r} is not an event id (a UUID)") from None
     settings = _settings(ctx)
-    with connect(settings) as conn, readable_psycopg_errors(settings):
+    with wrap_driver_errors(settings), connect(settings) as conn:
         lineage = load_lineage(
             conn, settings.schema_name, wanted, horizon=settings.redelivery_horizon_seconds
         )
@@ -537,7 +540,7 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         sys.exit(130)
     except Exception as exc:
-        from pipeline.db.connect import permission_denied
+        from pipeline.driver_errors import permission_denied
 
         denied = permission_denied(exc)  # a grant revoked while running, or a read refused
         if denied is None:

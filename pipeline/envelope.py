@@ -20,6 +20,17 @@ from functools import cached_property
 from json.encoder import encode_basestring as _quote  # C-accelerated, keeps non-ASCII
 from typing import Any
 
+from pipeline.errors import EnvelopeError  # raised here, defined with the others
+
+__all__ = [
+    "SPEC_VERSION",
+    "EnvelopeError",
+    "OutboxEvent",
+    "ReceivedEvent",
+    "decode_envelope",
+    "encode_envelope",
+]
+
 SPEC_VERSION = "1.0"
 
 
@@ -83,10 +94,6 @@ def encode_envelope(event: OutboxEvent, source: str) -> str:
         parts += (',"pipelineheaders":', json.dumps(headers, separators=(",", ":")))
     parts += (',"data":', event.payload_json, "}")
     return "".join(parts)
-
-
-class EnvelopeError(ValueError):
-    """A message on a queue is not a pipeline envelope."""
 
 
 @dataclass(frozen=True)

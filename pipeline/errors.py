@@ -1,17 +1,31 @@
 """Every error the pipeline raises on purpose derives from :class:`PipelineError`.
 
-Expected errors are the ones a user can fix (bad configuration, bad input, an
-unreachable server); the CLI prints them as one line and exits non-zero::
+Expected errors are the ones a user can fix or wait out (bad configuration, bad input,
+an unreachable server); the CLI prints them as one line and exits non-zero. Driver
+errors (psycopg, SQLAlchemy, redis-py) are turned into these at one seam,
+:func:`pipeline.driver_errors.wrap_driver_errors`, wherever the pipeline's own commands
+talk to the servers; anything else that escapes is a bug and keeps its traceback::
 
-    PipelineError
-    ├── ConfigurationError        a PIPELINE_* setting or schema name is invalid
-    ├── EventValidationError      a payload or event field was rejected before any SQL ran
-    ├── UnknownConsumerError      a message or command names a consumer nobody registered
-    ├── ServiceUnavailableError   Postgres or Redis could not be reached (driver error wrapped)
-    ├── MigrationError            the database schema could not be brought up to date
-    ├── PermissionDeniedError     the database role lacks a grant (docs/security.md)
-    ├── NotFoundError             an event or dead letter named by an operator does not exist
-    └── BacklogFull               unsent events exceed PIPELINE_BACKLOG_LIMIT (nothing written)
+    PipelineError                   an expected failure; its message is safe to show
+    ├── ConfigurationError          a PIPELINE_* setting or schema name is invalid
+    ├── EventValidationError        an event was rejected before any SQL ran (a ValueError)
+    ├── EnvelopeError               a queued message is not a pipeline envelope (a ValueError)
+    ├── UnknownConsumerError        a consumer name nobody registered (a LookupError)
+    ├── NotFoundError               an id given by an operator matches nothing (a LookupError)
+    ├── MigrationError              the schema is missing, newer than this code, or failed
+    ├── PermissionDeniedError       the database role lacks a grant (docs/security.md)
+    ├── PermanentPublishError       the broker can never take this delivery: dead-letter it
+    ├── ServiceUnavailableError     Postgres or Redis did not answer; later may succeed
+    │   └── PublisherUnavailable    the transport as a whole is down; no event is to blame
+    ├── EmbeddedServerError         a throwaway test/demo server failed (a RuntimeError)
+    │   ├── BinaryNotFoundError     no usable server binary; the message lists what was tried
+    │   └── ServerStartError        the server exited or did not answer; ends with its log
+    ├── DemoError                   ``pipeline demo`` could not run
+    └── BacklogFull                 unsent events exceed PIPELINE_BACKLOG_LIMIT (nothing written)
+
+The classes are re-exported where they are raised (``pipeline.envelope.EnvelopeError``,
+``pipeline.transport.publisher.PublisherUnavailable``, ``pipeline.testing.embedded``'s
+server errors), so either import path works.
 """
 
 from __future__ import annotations
@@ -29,24 +43,52 @@ class EventValidationError(PipelineError, ValueError):
     """An event was rejected before it touched the caller's transaction."""
 
 
+class EnvelopeError(PipelineError, ValueError):
+    """A message on a queue is not a pipeline envelope."""
+
+
 class UnknownConsumerError(PipelineError, LookupError):
     """A consumer name is not in the registry of this process."""
 
 
-class ServiceUnavailableError(PipelineError):
-    """A server the pipeline needs did not answer; retrying later may succeed."""
+class NotFoundError(PipelineError, LookupError):
+    """An id given by an operator matches nothing."""
 
 
 class MigrationError(PipelineError):
-    """The schema is newer than this code, or a migration failed."""
+    """The schema is missing or newer than this code, or a migration failed."""
 
 
 class PermissionDeniedError(PipelineError):
     """The database role lacks a privilege; the message names it (never the credentials)."""
 
 
-class NotFoundError(PipelineError, LookupError):
-    """An id given by an operator matches nothing."""
+class PermanentPublishError(PipelineError):
+    """Delivery can never succeed (e.g. the message is too large): dead-letter at once."""
+
+
+class ServiceUnavailableError(PipelineError):
+    """A server the pipeline needs did not answer; retrying later may succeed."""
+
+
+class PublisherUnavailable(ServiceUnavailableError):
+    """The transport as a whole is down: no event is to blame, so no attempt is counted."""
+
+
+class EmbeddedServerError(PipelineError, RuntimeError):
+    """An embedded server could not be set up, started or stopped."""
+
+
+class BinaryNotFoundError(EmbeddedServerError):
+    """No usable server binary was found; the message lists every place that was tried."""
+
+
+class ServerStartError(EmbeddedServerError):
+    """The server exited or did not answer in time; the message ends with its log tail."""
+
+
+class DemoError(PipelineError):
+    """The demo could not run (a server did not start, a process died, a timeout)."""
 
 
 class BacklogFull(PipelineError):

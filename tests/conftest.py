@@ -1,9 +1,16 @@
-"""Real-server fixtures shared by every test tier.
+"""Test tiers and the real-server fixtures they share.
+
+Every test is marked with its tier from its directory: ``unit`` (tests/unit: no
+servers, seconds), ``integration`` (tests/integration: real Postgres and Redis) and
+``chaos`` (tests/chaos: real relay and worker processes, crashes); ``pytest -m unit``
+runs the first alone. A unit test that asks for a server fixture fails at set-up, so
+the unit tier cannot start a server by accident.
 
 Postgres and Redis come from ``PIPELINE_TEST_DATABASE_URL`` /
-``PIPELINE_TEST_REDIS_URL`` when set, else from throwaway servers this session
-starts itself. Each test gets its own database cloned from a migrated template and
-its own Redis key namespace, so a shared server's other data is never touched.
+``PIPELINE_TEST_REDIS_URL`` when set, else from throwaway servers started the first
+time a test needs them (session fixtures are lazy: a run of unit tests starts none).
+Each test gets its own database cloned from a migrated template and its own Redis key
+namespace, so a shared server's other data is never touched.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -25,6 +33,36 @@ from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
 from tests.support import OtlpReceiver
 
 RUN_ID = uuid.uuid4().hex[:8]
+TIERS = ("unit", "integration", "chaos")
+SERVER_FIXTURES = frozenset(
+    {"postgres_server_url", "redis_server_url", "private_postgres", "private_redis"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with the tier its directory names (tests/<tier>/...)."""
+    root = Path(__file__).parent
+    for item in items:
+        try:
+            tier = item.path.relative_to(root).parts[0]
+        except ValueError:
+            continue
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A unit test must not start or use a server, directly or through another fixture."""
+    if item.get_closest_marker("unit") is None:
+        return
+    wanted = SERVER_FIXTURES.intersection(getattr(item, "fixturenames", ()))
+    if wanted:
+        pytest.fail(
+            f"unit tests use no servers, but this one asks for {sorted(wanted)}: "
+            "move it to tests/integration",
+            pytrace=False,
+        )
 
 
 def _replace_dbname(url: str, dbname: str) -> str:

@@ -25,7 +25,7 @@ import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pipeline.config import Settings, redact_secrets, redact_url
+from pipeline.config import Settings
 from pipeline.db.connect import connect
 from pipeline.db.queries import queries_for
 from pipeline.errors import MigrationError, ServiceUnavailableError
@@ -138,14 +138,6 @@ def discover_queues(client: redis.Redis, namespace: str, limit: int = 10_000) ->
 def redis_client(settings: Settings, timeout: float = 5.0) -> redis.Redis:
     return redis.Redis.from_url(
         settings.require_redis_url(), socket_timeout=timeout, socket_connect_timeout=timeout
-    )
-
-
-def redis_unavailable(settings: Settings, exc: BaseException) -> ServiceUnavailableError:
-    url = settings.require_redis_url()
-    reason = redact_secrets(str(exc), url)
-    return ServiceUnavailableError(
-        f"cannot use Redis at {redact_url(url)}: {type(exc).__name__}: {reason}"
     )
 
 

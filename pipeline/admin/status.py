@@ -13,9 +13,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import psycopg
-import redis
-
 from pipeline.admin.activity import ConsumerActivity, format_activity, read_activity
 from pipeline.admin.state import (
     QueueDepth,
@@ -25,11 +22,10 @@ from pipeline.admin.state import (
     read_queue_depths,
     read_relays,
     redis_client,
-    redis_unavailable,
 )
 from pipeline.config import Settings
-from pipeline.db.connect import connect, describe_server, driver_reason
-from pipeline.errors import ServiceUnavailableError
+from pipeline.db.connect import connect
+from pipeline.driver_errors import wrap_driver_errors
 
 
 @dataclass
@@ -74,27 +70,20 @@ def read_status(
     Per-consumer activity covers the last ``interval`` seconds (``consumers`` are listed
     even when idle).
     """
-    url = settings.require_database_url()
-    with connect(settings, autocommit=True) as conn:
-        try:
-            conn.execute("SET statement_timeout = '10s'")
-            database = read_database_state(
-                conn, settings.schema_name, settings.redelivery_horizon_seconds
-            )
-            relays = read_relays(conn, settings.schema_name)
-            activity = read_activity(conn, settings.schema_name, interval, consumers or ())
-        except psycopg.OperationalError as exc:
-            raise ServiceUnavailableError(
-                f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
-            ) from None
+    with wrap_driver_errors(settings), connect(settings, autocommit=True) as conn:
+        conn.execute("SET statement_timeout = '10s'")
+        database = read_database_state(
+            conn, settings.schema_name, settings.redelivery_horizon_seconds
+        )
+        relays = read_relays(conn, settings.schema_name)
+        activity = read_activity(conn, settings.schema_name, interval, consumers or ())
     depths: dict[str, QueueDepth] | None = None
     if settings.redis_url is not None:
         client = redis_client(settings)
         try:
-            known = set(queues) | discover_queues(client, settings.redis_namespace)
-            depths = read_queue_depths(client, settings.redis_namespace, known)
-        except redis.RedisError as exc:
-            raise redis_unavailable(settings, exc) from None
+            with wrap_driver_errors(settings):
+                known = set(queues) | discover_queues(client, settings.redis_namespace)
+                depths = read_queue_depths(client, settings.redis_namespace, known)
         finally:
             client.close()
     problems: list[str] = []

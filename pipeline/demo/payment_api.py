@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -181,6 +182,13 @@ class PaymentServer(ThreadingHTTPServer):
         if host in ("0.0.0.0", ""):  # noqa: S104 - reachable locally through the loopback
             host = "127.0.0.1"
         return f"http://{host}:{self.server_address[1]}"
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that went away mid-request (a worker killed at shutdown) is not an error
+        worth a traceback on the demo's terminal; anything else is reported as usual."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
     def start(self) -> PaymentServer:
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)

@@ -13,7 +13,6 @@ import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -212,14 +211,3 @@ class DuplicateInjector(threading.Thread):
             self._seen.add(key)
             events.append(OutboxEvent(*row[:11]))
         return events
-
-
-def run_in_background(thread: threading.Thread, stop: threading.Event) -> Callable[[], None]:
-    """Start ``thread``; returns the undo that stops and joins it."""
-    thread.start()
-
-    def undo() -> None:
-        stop.set()
-        thread.join(timeout=15)
-
-    return undo

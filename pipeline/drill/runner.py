@@ -396,12 +396,13 @@ class _Drill:
         return _Servers(database_url, redis_url, postgres, redis, setup)
 
     def _prepare_database(self, settings: Settings, servers: _Servers) -> None:
-        from pipeline.db.connect import make_engine, readable_database_errors
+        from pipeline.db.connect import make_engine
         from pipeline.db.migrate import upgrade
+        from pipeline.driver_errors import wrap_driver_errors
 
         engine = make_engine(settings, pool_size=1)
         try:
-            with readable_database_errors(settings), engine.begin() as connection:
+            with wrap_driver_errors(settings), engine.begin() as connection:
                 connection.exec_driver_sql(self.queries.text("create_schema"))
                 upgrade(connection, self.schema)
                 connection.exec_driver_sql(self.queries.text("create_tables"))

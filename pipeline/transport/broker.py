@@ -1,5 +1,9 @@
 """The Dramatiq broker on Redis, built from settings.
 
+It builds on Dramatiq internals (the private ``_RedisConsumer``, the arguments of the
+``dispatch`` Lua script and its key layout), so Dramatiq is pinned to one minor series
+in pyproject.toml and ``tests/unit/test_dramatiq_contract.py`` fails when they change.
+
 ``PipelineRedisBroker`` changes one thing in Dramatiq's Redis consumer: an idle
 consumer blocks on a per-queue wake-up list instead of sleeping up to
 ``worker_timeout``, so an idle pipeline delivers at once without polling Redis hard.
@@ -53,6 +57,12 @@ UndecodableSink = Callable[[str, bytes, str], None]
 
 def wake_key(namespace: str, queue_name: str) -> str:
     return f"{namespace}:pipeline-wake:{queue_name}"
+
+
+def acks_key(namespace: str, broker_id: str, queue_name: str) -> str:
+    """The set of a consumer's fetched, un-acked message ids, as Dramatiq's dispatch script
+    names it (``queue_acks`` in ``dramatiq/brokers/redis/dispatch.lua``; pinned, tested)."""
+    return f"{namespace}:__acks__.{broker_id}.{queue_name}"
 
 
 def _log_undecodable(queue_name: str, data: bytes, reason: str) -> None:
@@ -209,7 +219,7 @@ class WakeableRedisConsumer(_RedisConsumer):
     def _discard_undecodable(self, data: bytes, reason: str) -> None:
         """Hand the raw bytes to the sink, then remove them from Redis (they can never run)."""
         self.broker.undecodable_sink(self.queue_name, data, reason)
-        acks = f"{self.broker.namespace}:__acks__.{self.broker.broker_id}.{self.queue_name}"
+        acks = acks_key(self.broker.namespace, self.broker.broker_id, self.queue_name)
         messages = f"{self.broker.namespace}:{self.queue_name}.msgs"
         for message_id in self.broker.client.smembers(acks):
             if self.broker.client.hget(messages, message_id) == data:

@@ -21,15 +21,16 @@ import redis
 from redis.exceptions import NoScriptError
 
 from pipeline.envelope import OutboxEvent, encode_envelope
+from pipeline.errors import PermanentPublishError, PublisherUnavailable
 from pipeline.registry import Subscription
 
-
-class PermanentPublishError(Exception):
-    """Delivery can never succeed (e.g. the message is too large): dead-letter at once."""
-
-
-class PublisherUnavailable(Exception):
-    """The transport as a whole is down: no event is to blame, so no attempt is counted."""
+__all__ = [
+    "Delivery",
+    "DramatiqRedisPublisher",
+    "PermanentPublishError",
+    "Publisher",
+    "PublisherUnavailable",
+]
 
 
 def unavailable(exc: BaseException) -> PublisherUnavailable:

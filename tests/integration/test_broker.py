@@ -11,7 +11,7 @@ import pytest
 import redis
 from dramatiq.message import Message
 
-from pipeline.transport.broker import PipelineRedisBroker, make_broker, wake_key
+from pipeline.transport.broker import PipelineRedisBroker, acks_key, make_broker, wake_key
 
 QUEUE = "wake_test"
 
@@ -217,3 +217,17 @@ def test_messages_a_stopping_consumer_puts_back_wake_the_others(broker):
     stopping.requeue([first])
     assert broker.client.lrange(wake_key(broker.namespace, QUEUE), 0, -1) == [b"1"]
     stopping.close()
+
+
+def test_a_fetched_message_is_in_the_acks_set_the_broker_computes_until_acked(broker):
+    message = broker.enqueue(Message(QUEUE, "actor", (), {}, {}))
+    redis_id = message.options["redis_message_id"]
+    consumer = broker.consume(QUEUE, prefetch=1, timeout=100)
+    fetched = next_message(consumer)
+    assert fetched.message_id == message.message_id
+    key = acks_key(broker.namespace, broker.broker_id, QUEUE)
+    assert broker.client.smembers(key) == {redis_id.encode()}
+    consumer.ack(fetched)
+    assert broker.client.smembers(key) == set()
+    assert broker.client.hlen(f"{broker.namespace}:{QUEUE}.msgs") == 0
+    consumer.close()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,7 +14,8 @@ import psycopg
 import pytest
 import redis
 
-from pipeline.testing import embedded
+from pipeline.testing import binaries
+from pipeline.testing import server as lifecycle
 from pipeline.testing.embedded import (
     BinaryNotFoundError,
     EmbeddedPostgres,
@@ -123,8 +128,8 @@ def test_postgres_retries_when_auto_port_was_taken(
     occupied_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ports = iter([occupied_port])
-    real_free_port = embedded.free_port
-    monkeypatch.setattr(embedded, "free_port", lambda: next(ports, None) or real_free_port())
+    real_free_port = lifecycle.free_port
+    monkeypatch.setattr(lifecycle, "free_port", lambda: next(ports, None) or real_free_port())
     with EmbeddedPostgres(durable=False) as server:
         assert server.port != occupied_port
         with psycopg.connect(server.url) as conn:
@@ -135,14 +140,14 @@ def test_postgres_retries_when_auto_port_was_taken(
 def test_postgres_missing_binaries(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(BinaryNotFoundError, match="initdb does not exist"):
         EmbeddedPostgres(bin_dir=tmp_path).start()
-    monkeypatch.setattr(embedded, "_postgres_bin_candidates", list)
+    monkeypatch.setattr(binaries, "postgres_bin_candidates", list)
     with pytest.raises(EmbeddedServerError, match="no usable Postgres binaries"):
         EmbeddedPostgres().start()
 
 
 def test_postgres_falls_back_to_system_binaries(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(embedded, "_package_dir", lambda name: None)  # as if no pgserver wheel
-    if not embedded._postgres_bin_candidates():
+    monkeypatch.setattr(binaries, "package_dir", lambda name: None)  # as if no pgserver wheel
+    if not binaries.postgres_bin_candidates():
         pytest.skip("no system Postgres installed")
     with EmbeddedPostgres(durable=False) as server:
         assert server.bin_dir is not None
@@ -181,8 +186,8 @@ def test_redis_retries_when_auto_port_was_taken(
     occupied_port: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ports = iter([occupied_port])
-    real_free_port = embedded.free_port
-    monkeypatch.setattr(embedded, "free_port", lambda: next(ports, None) or real_free_port())
+    real_free_port = lifecycle.free_port
+    monkeypatch.setattr(lifecycle, "free_port", lambda: next(ports, None) or real_free_port())
     with EmbeddedRedis() as server:
         assert server.port != occupied_port
         assert redis.Redis.from_url(server.url).ping()
@@ -193,3 +198,94 @@ def test_redis_missing_binary(tmp_path: Path) -> None:
     with pytest.raises(BinaryNotFoundError, match="no usable redis-server"):
         server.start()
     server.cleanup()
+
+
+OWNER_SCRIPT = """
+import json, sys, time
+from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
+pg, rd = EmbeddedPostgres(durable=False), EmbeddedRedis()
+pg.start()
+rd.start()
+import psycopg
+backend = psycopg.connect(pg.url)  # a backend process of the postmaster's own
+print(json.dumps({
+    "postgres": pg.pid, "redis": rd.pid, "dirs": [str(pg.data_dir), str(rd.data_dir),
+    str(pg.socket_dir)], "watchdogs": [pg.watchdog_pid, rd.watchdog_pid],
+}), flush=True)
+if sys.argv[1] == "exit":
+    sys.exit(0)  # no cleanup(): the watchdogs see their owner go
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _tree(pid: int) -> set[int]:
+    """pid and every live process below it."""
+    parents: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents.setdefault(int(stat[stat.rindex(")") + 2 :].split()[1]), []).append(
+                int(entry.name)
+            )
+    found, todo = {pid}, [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def _gone_within(pids: set[int], dirs: list[Path], seconds: float) -> tuple[set[int], list[Path]]:
+    """What is still there after waiting up to ``seconds`` for it all to go."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = {pid for pid in pids if _alive(pid)}
+        kept = [path for path in dirs if path.exists()]
+        if (not left and not kept) or time.monotonic() > deadline:
+            return left, kept
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("ending", ["sigkill", "exit"])
+def test_servers_die_with_their_owner_however_it_ends(ending: str) -> None:
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER_SCRIPT, ending], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert owner.stdout is not None
+        started = json.loads(owner.stdout.readline())
+        servers = _tree(started["postgres"]) | _tree(started["redis"])
+        assert len(servers) >= 4, servers  # postmaster, its backends and helpers, redis
+        dirs = [Path(path) for path in started["dirs"]]
+        assert all(path.exists() for path in dirs)
+        if ending == "sigkill":
+            owner.kill()  # no cleanup can run in the owner
+        owner.wait(timeout=60)
+        left, kept = _gone_within(servers | set(started["watchdogs"]), dirs, 30)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+            owner.wait()
+    assert not left, f"still running after their owner ended: {sorted(left)}"
+    assert not kept, f"left behind: {kept}"
+
+
+def test_a_clean_cleanup_leaves_the_watchdog_nothing_to_do(tmp_path: Path) -> None:
+    server = EmbeddedRedis(data_dir=tmp_path / "redis")
+    server.start()
+    watchdog = server.watchdog_pid
+    assert watchdog is not None and _alive(watchdog)
+    server.cleanup()
+    assert not _alive(watchdog)
+    assert (tmp_path / "redis").exists(), "a caller's directory is kept"
