@@ -99,6 +99,9 @@ FIELDS_FOR_SUBPROCESSES = (
 
 def pipeline_env(settings: Settings, app: str, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
+    # A multiprocess metrics directory left in this process's environment by an earlier
+    # test would send a relay's metrics to files instead of its /metrics endpoint.
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.update(
         PIPELINE_DATABASE_URL=settings.require_database_url(),
         PIPELINE_REDIS_URL=settings.require_redis_url(),
