@@ -81,7 +81,8 @@ def servers(database_url: str | None, redis_url: str | None) -> Iterator[tuple[s
 def durability(url: str) -> dict[str, str]:
     names = ("server_version", "fsync", "synchronous_commit", "full_page_writes", "wal_level")
     with psycopg.connect(url) as conn:
-        return {name: str(conn.execute(f"SHOW {name}").fetchone()[0]) for name in names}
+        rows = {name: conn.execute(f"SHOW {name}").fetchone() for name in names}
+    return {name: str(row[0]) if row else "" for name, row in rows.items()}
 
 
 def _log(directory: Path, name: str) -> Any:

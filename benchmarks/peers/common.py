@@ -28,7 +28,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -303,6 +303,6 @@ def warm_up(module: str, url: str, reset: Callable[[str], None], processes: Proc
         )
 
 
-def run_async(main: Callable[[Sequence[str]], Awaitable[None]]) -> None:
+def run_async(main: Callable[[Sequence[str]], Coroutine[Any, Any, None]]) -> None:
     """The entry point of a peer's consumer process: ``python -m MODULE ROLE ARGS``."""
     asyncio.run(main(sys.argv[1:]))

@@ -148,7 +148,7 @@ async def _serve(*brokers: Any) -> None:
 
 
 async def relay(url: str, redis_url: str, target: str) -> None:
-    engine = _engine(url, RELAY["max_workers"] + 2)
+    engine = _engine(url, int(RELAY["max_workers"]) + 2)
     outbox = OutboxBroker(engine, outbox_table=OUTBOX, log_level=logging.WARNING)
     downstream = RedisBroker(redis_url, log_level=logging.WARNING)
     publisher = downstream.publisher(list=target)

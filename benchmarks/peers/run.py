@@ -15,6 +15,12 @@ running ``benchmarks/end_to_end.py`` itself against its database.
 
 A peer that cannot be imported (``pip install -e '.[peers]'`` installs them) or fails is
 recorded with its error; the others still run.
+
+``--rounds N`` repeats the whole sitting N times, every system once per round, and
+rotates the order (round r starts at system r mod the number of systems): on a shared
+machine the load drifts within minutes, and a system always measured first or last would
+carry that drift as if it were its own. The report keeps every round and summarises each
+number as its median and range over the rounds; it is rewritten after every round.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -192,12 +199,27 @@ def run_peer(
     }
 
 
-def measure(system: str, url: str, redis_url: str, args: argparse.Namespace) -> dict[str, Any]:
-    namespace = f"peers_{system.replace('-', '_')}_{os.getpid()}"
+def delete_namespace(redis_url: str, namespace: str) -> None:
+    """Delete the Redis keys under ``namespace``: the pipeline leaves its queues behind."""
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()
+
+
+def measure(
+    system: str, url: str, redis_url: str, namespace: str, args: argparse.Namespace
+) -> dict[str, Any]:
     load = {"loadavg_before": os.getloadavg()}
     try:
         if system == "pipeline":
-            result = run_pipeline(url, redis_url, namespace, args)
+            try:
+                result = run_pipeline(url, redis_url, namespace, args)
+            finally:
+                delete_namespace(redis_url, namespace)
         else:
             try:
                 module = importlib.import_module(PEERS[system])
@@ -214,6 +236,11 @@ def measure(system: str, url: str, redis_url: str, args: argparse.Namespace) -> 
     return {**result, **load, "loadavg_after": os.getloadavg()}
 
 
+def row_label(system: str, mode: str) -> str:
+    """The summary's name for one run: the pipeline runs once per observability mode."""
+    return system if mode == "default" else f"{system} ({mode})"
+
+
 def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per system and run: drained events/s, latency p50 / p99 per offered rate.
 
@@ -227,10 +254,13 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
             continue
         for mode, run in result["runs"].items():
             row: dict[str, Any] = {
-                "system": system if mode == "default" else f"{system} ({mode})",
+                "system": row_label(system, mode),
                 "events_per_s": run["throughput"]["end_to_end_per_s"],
                 "machine_cpu_ms_per_event": run["throughput"]["machine_cpu_ms_per_event"],
             }
+            if "cpu_ms_per_event_by_component" in run["throughput"]:
+                by_component = run["throughput"]["cpu_ms_per_event_by_component"]
+                row["cpu_ms_per_event_by_component"] = by_component
             for point in run["latency"]:
                 rate = int(point["offered_events_per_s"])
                 row[f"{rate}/s p50 ms"] = point["latency_ms"]["p50"]
@@ -244,36 +274,215 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--systems", default=",".join(SYSTEMS))
-    parser.add_argument("--rates", default="200,1000")
-    parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument("--producers", type=int, default=8)
-    parser.add_argument(
-        "--observability",
-        default="default",
-        help="the pipeline's runs (end_to_end.py --observability): default = as shipped",
-    )
-    parser.add_argument("--database-url")
-    parser.add_argument("--redis-url")
-    parser.add_argument("--note", default="", help="recorded in the report (e.g. machine load)")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks/results/peers.json"))
-    args = parser.parse_args(argv)
-    systems = args.systems.split(",")
-    unknown = set(systems) - set(SYSTEMS)
-    if unknown:
-        parser.error(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
-    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+def rotated(systems: Sequence[str], round_index: int) -> list[str]:
+    """The order of one round: round r starts at system r mod the number of systems.
+
+    The machine's load drifts within minutes; rotating keeps that drift from always
+    landing on the same system.
+    """
+    start = round_index % len(systems)
+    return [*systems[start:], *systems[:start]]
+
+
+def measure_round(
+    round_index: int,
+    systems: Sequence[str],
+    admin_url: str,
+    redis_url: str,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """Every system once, in this round's order, each on a fresh database and namespace.
+
+    The names carry the round, so nothing one round leaves behind is seen by the next.
+    """
+    order = rotated(systems, round_index)
     results: dict[str, Any] = {}
-    with servers(args.database_url, args.redis_url) as (admin_url, redis_url):
-        server = {"postgres": durability(admin_url), "redis": redis_info(redis_url)}
-        for system in systems:
-            name = f"peers_{system.replace('-', '_')}_{os.getpid()}"
-            with own_database(admin_url, name) as url:
-                results[system] = measure(system, url, redis_url, args)
-            print(f"{system}: {results[system].get('status')}", file=sys.stderr)
-    report = {
+    for system in order:
+        name = f"peers_{system.replace('-', '_')}_{os.getpid()}_r{round_index}"
+        with own_database(admin_url, name) as url:
+            results[system] = measure(system, url, redis_url, name, args)
+        print(f"round {round_index}: {system}: {results[system].get('status')}", file=sys.stderr)
+    return {
+        "round": round_index,
+        "order": order,
+        "summary": summary_rows(results),
+        "results": results,
+    }
+
+
+def spread(values: Sequence[float | None]) -> dict[str, Any]:
+    """Per-round values (``None`` where a round measured nothing), median, min and max."""
+    measured = [v for v in values if v is not None]
+    if not measured:
+        return {"by_round": list(values), "median": None, "min": None, "max": None}
+    return {
+        "by_round": list(values),
+        "median": round(statistics.median(measured), 3),
+        "min": min(measured),
+        "max": max(measured),
+    }
+
+
+def labels_of(system: str, rounds: Sequence[dict[str, Any]]) -> list[str]:
+    """The summary rows a system measured in any round, in order of first appearance."""
+    labels: list[str] = []
+    for done in rounds:
+        result = done["results"].get(system, {})
+        if result.get("status") != "measured":
+            continue
+        for mode in result["runs"]:
+            if row_label(system, mode) not in labels:
+                labels.append(row_label(system, mode))
+    return labels
+
+
+def rows_by_round(label: str, rounds: Sequence[dict[str, Any]]) -> list[dict[str, Any] | None]:
+    """The row called ``label`` in each round's summary; ``None`` where it has none."""
+    found: list[dict[str, Any] | None] = []
+    for done in rounds:
+        rows = [r for r in done["summary"] if r["system"] == label and "events_per_s" in r]
+        found.append(rows[0] if rows else None)
+    return found
+
+
+def rate_summary(rate: int, rows: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
+    """One offered rate over the rounds: p50 and p99 spreads and the worst p99."""
+    p50 = spread([row.get(f"{rate}/s p50 ms") if row else None for row in rows])
+    p99 = spread([row.get(f"{rate}/s p99 ms") if row else None for row in rows])
+    commits = spread([row.get(f"{rate}/s commits/s") if row else None for row in rows])
+    return {
+        "p50_ms": p50,
+        "p99_ms": p99,
+        "p99_max_over_rounds": p99["max"],
+        "commits_per_s": commits,
+        "sustained_by_round": [row.get(f"{rate}/s sustained") if row else None for row in rows],
+    }
+
+
+def combined_row(
+    label: str, rows: Sequence[dict[str, Any] | None], rates: Sequence[int]
+) -> dict[str, Any]:
+    """One system's row over all rounds.
+
+    The fields of a single round's row are kept, holding medians over the rounds (so a
+    one-round report reads as before); a rate counts as sustained only if it was in every
+    round that measured it. The per-round values and their ranges are added beside them.
+    """
+    throughput = spread([row["events_per_s"] if row else None for row in rows])
+    cpu = spread([row["machine_cpu_ms_per_event"] if row else None for row in rows])
+    combined: dict[str, Any] = {
+        "system": label,
+        "events_per_s": throughput["median"],
+        "machine_cpu_ms_per_event": cpu["median"],
+    }
+    latency: dict[str, Any] = {}
+    for rate in rates:
+        latency[str(rate)] = at_rate = rate_summary(rate, rows)
+        sustained = [s for s in at_rate["sustained_by_round"] if s is not None]
+        combined[f"{rate}/s p50 ms"] = at_rate["p50_ms"]["median"]
+        combined[f"{rate}/s p99 ms"] = at_rate["p99_ms"]["median"]
+        combined[f"{rate}/s commits/s"] = at_rate["commits_per_s"]["median"]
+        combined[f"{rate}/s sustained"] = bool(sustained) and all(sustained)
+    combined["rounds_measured"] = sum(row is not None for row in rows)
+    combined["events_per_s_over_rounds"] = throughput
+    combined["machine_cpu_ms_per_event_over_rounds"] = cpu
+    combined["latency_over_rounds"] = latency
+    if any(row and "cpu_ms_per_event_by_component" in row for row in rows):
+        combined["cpu_ms_per_event_by_component_by_round"] = [
+            row.get("cpu_ms_per_event_by_component") if row else None for row in rows
+        ]
+    return combined
+
+
+def throughput_ratios(
+    rows: Sequence[dict[str, Any] | None], peer_rows: Sequence[dict[str, Any] | None]
+) -> dict[str, Any]:
+    """Pipeline / peer drained events/s within each round, and the median of those ratios.
+
+    Ratios are taken within a round (same minutes, same machine load) before the median,
+    which is steadier on a shared machine than a ratio of medians.
+    """
+    ratios: list[float | None] = []
+    for ours, theirs in zip(rows, peer_rows, strict=True):
+        if ours and theirs and theirs["events_per_s"]:
+            ratios.append(round(ours["events_per_s"] / theirs["events_per_s"], 3))
+        else:
+            ratios.append(None)
+    return spread(ratios)
+
+
+def rounds_summary(
+    systems: Sequence[str], rounds: Sequence[dict[str, Any]], rates: Sequence[int]
+) -> list[dict[str, Any]]:
+    """One row per system (and pipeline mode) over every round so far; see ``combined_row``.
+
+    A system that measured nothing in any round gets a status row, as in ``summary_rows``.
+    The pipeline's rows also carry its throughput over each peer's, round by round.
+    """
+    summary: list[dict[str, Any]] = []
+    rows_of: dict[str, list[dict[str, Any] | None]] = {}
+    for system in systems:
+        statuses = [done["results"].get(system, {}).get("status") for done in rounds]
+        labels = labels_of(system, rounds)
+        if not labels:
+            summary.append({"system": system, "status": statuses[-1], "status_by_round": statuses})
+        for label in labels:
+            rows_of[label] = rows_by_round(label, rounds)
+            summary.append(
+                {**combined_row(label, rows_of[label], rates), "status_by_round": statuses}
+            )
+    peers = [label for label in rows_of if not label.startswith("pipeline")]
+    for row in summary:
+        if row["system"].startswith("pipeline") and row["system"] in rows_of:
+            row["events_per_s_over_peer"] = {
+                peer: throughput_ratios(rows_of[row["system"]], rows_of[peer]) for peer in peers
+            }
+    return summary
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """Replace the report in one step, so that a crash mid-write leaves the last round's."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(report, indent=2) + "\n")
+    partial.replace(path)
+
+
+def _range(stats: dict[str, Any], digits: int) -> str:
+    if stats["median"] is None:
+        return "-"
+    return f"{stats['median']:.{digits}f} [{stats['min']:.{digits}f}-{stats['max']:.{digits}f}]"
+
+
+def _worst(stats: dict[str, Any]) -> str:
+    if stats["median"] is None:
+        return "-"
+    return f"{stats['median']:.1f} ({stats['max']:.1f})"
+
+
+def summary_table(summary: Sequence[dict[str, Any]], rates: Sequence[int]) -> str:
+    """The summary for a terminal: medians, with [min-max] or (worst) over the rounds."""
+    header = ["system", "events/s median [min-max]"]
+    for rate in rates:
+        header += [f"{rate}/s p50 ms (worst)", f"{rate}/s p99 ms (worst)"]
+    lines = [header]
+    for row in summary:
+        if "events_per_s_over_rounds" not in row:
+            lines.append([row["system"], str(row.get("status")), *["-"] * (2 * len(rates))])
+            continue
+        line = [row["system"], _range(row["events_per_s_over_rounds"], 1)]
+        for rate in rates:
+            at_rate = row["latency_over_rounds"][str(rate)]
+            line += [_worst(at_rate["p50_ms"]), _worst(at_rate["p99_ms"])]
+        lines.append(line)
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def report_header(args: argparse.Namespace, started: str, server: dict[str, Any]) -> dict[str, Any]:
+    """Everything the report says about the sitting, before any result."""
+    return {
         "benchmark": "peers",
         "date": started,
         "command": without_passwords(
@@ -296,9 +505,56 @@ def main(argv: Sequence[str] | None = None) -> int:
             "throughput": "closed loop; events handled / (last handler start - first commit)",
             "handler": "records its start time and writes one row",
         },
-        "summary": summary_rows(results),
-        "results": results,
+        "rounds_requested": args.rounds,
+        "order": "round r starts at system r mod the number of systems, then wraps",
     }
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(report["summary"], indent=2))
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--rates", default="200,1000")
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--producers", type=int, default=8)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure every system this many times, rotating the order each round",
+    )
+    parser.add_argument(
+        "--observability",
+        default="default",
+        help="the pipeline's runs (end_to_end.py --observability): default = as shipped",
+    )
+    parser.add_argument("--database-url")
+    parser.add_argument("--redis-url")
+    parser.add_argument("--note", default="", help="recorded in the report (e.g. machine load)")
+    parser.add_argument("--output", default=str(ROOT / "benchmarks/results/peers.json"))
+    args = parser.parse_args(argv)
+    unknown = set(args.systems.split(",")) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    systems = args.systems.split(",")
+    rates = [int(float(r)) for r in args.rates.split(",")]
+    output = Path(args.output)
+    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    rounds: list[dict[str, Any]] = []
+    with servers(args.database_url, args.redis_url) as (admin_url, redis_url):
+        server = {"postgres": durability(admin_url), "redis": redis_info(redis_url)}
+        report = report_header(args, started, server)
+        for round_index in range(args.rounds):
+            rounds.append(measure_round(round_index, systems, admin_url, redis_url, args))
+            report["complete"] = round_index + 1 == args.rounds
+            report["summary"] = rounds_summary(systems, rounds, rates)
+            report["rounds"] = rounds
+            write_report(output, report)
+    print(summary_table(report["summary"], rates))
     return 0
