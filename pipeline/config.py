@@ -124,6 +124,7 @@ class Settings(BaseSettings):
     max_events_per_message: PositiveInt = 100
     lease_seconds: PositiveFloat = 30.0
     poll_interval_busy: PositiveFloat = 0.005
+    busy_poll_rate: PositiveFloat = 500.0  # events/s from which the relay polls, not NOTIFY
     poll_interval_min: PositiveFloat = 0.05
     poll_interval_max: PositiveFloat = 2.0
     reconnect_backoff_max: PositiveFloat = 10.0

@@ -127,6 +127,7 @@ BAD_VALUES = {
     "max_events_per_message": "0",
     "lease_seconds": "-1",
     "poll_interval_busy": "fast",
+    "busy_poll_rate": "0",
     "poll_interval_min": "0",
     "poll_interval_max": "-2",
     "reconnect_backoff_max": "0",

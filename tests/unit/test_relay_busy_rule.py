@@ -4,32 +4,50 @@ from __future__ import annotations
 
 from pipeline.relay.relay import BusyRule
 
-INTERVAL = 0.005
-QUICK, SLOW = 0.001, 0.008
+RATE = 500.0  # events/s from which the relay polls
 
 
-def test_sixteen_quick_productive_cycles_in_a_row_make_the_relay_busy():
-    rule = BusyRule(INTERVAL)
-    decisions = [rule.busy_after(QUICK, 1, False, False) for _ in range(BusyRule.QUICK_CYCLES)]
-    assert decisions == [False] * (BusyRule.QUICK_CYCLES - 1) + [True]
+def feed(rule: BusyRule, start: float, seconds: float, per_second: float, busy: bool) -> bool:
+    """Cycles every 5 ms finding events at ``per_second``; the rule's last decision."""
+    decision = busy
+    steps = round(seconds / 0.005)
+    for step in range(1, steps + 1):
+        found = round(per_second * 0.005 * step) - round(per_second * 0.005 * (step - 1))
+        decision = rule.busy_after(start + step * 0.005, found, False, decision)
+    return decision
 
 
-def test_a_slow_wait_or_an_empty_cycle_starts_the_count_again():
-    rule = BusyRule(INTERVAL)
-    for interruption in ((SLOW, 1), (QUICK, 0)):
-        for _ in range(BusyRule.QUICK_CYCLES - 1):
-            assert not rule.busy_after(QUICK, 1, False, False)
-        assert not rule.busy_after(*interruption, False, False)
-    assert not rule.busy_after(QUICK, 1, False, False)  # one quick cycle since the last reset
+def test_a_stream_at_the_rate_makes_the_relay_busy_within_one_window():
+    rule = BusyRule(RATE, now=0.0)
+    assert feed(rule, 0.0, BusyRule.WINDOW + 0.01, 600, busy=False)
+    assert rule.rate >= RATE
 
 
-def test_a_steady_stream_slower_than_the_interval_never_makes_it_busy():
-    rule = BusyRule(INTERVAL)  # e.g. 100 transactions/s: a NOTIFY every ~8 ms of waiting
-    assert not any(rule.busy_after(SLOW, 10, False, False) for _ in range(1000))
+def test_200_events_a_second_in_clusters_stay_on_notify():
+    rule = BusyRule(RATE, now=0.0)
+    now, decisions = 0.0, []
+    for _ in range(400):  # eight producers' commits arriving together every 40 ms
+        now += 0.001
+        decisions.append(rule.busy_after(now, 8, False, False))
+        now += 0.039
+        decisions.append(rule.busy_after(now, 0, False, False))
+    assert not any(decisions)
+    assert 150 < rule.rate < 250
 
 
-def test_a_full_claim_makes_it_busy_at_once_and_a_busy_relay_stays_busy_while_it_finds_work():
-    rule = BusyRule(INTERVAL)
-    assert rule.busy_after(SLOW, 500, True, False)
-    assert rule.busy_after(INTERVAL, 3, False, True)  # a busy poll waits the whole interval
-    assert not rule.busy_after(INTERVAL, 0, False, True)  # nothing found: the hand-off follows
+def test_a_busy_relay_stays_busy_above_half_the_rate_and_leaves_below_it():
+    rule = BusyRule(RATE, now=0.0)
+    assert feed(rule, 0.0, 1.0, 1000, busy=False)
+    assert feed(rule, 1.0, 1.0, 300, busy=True)  # under the rate, above half: no flapping
+    assert not feed(rule, 2.0, 1.0, 100, busy=True)
+
+
+def test_a_busy_relay_whose_producers_stop_leaves_within_two_windows():
+    rule = BusyRule(RATE, now=0.0)
+    assert feed(rule, 0.0, 1.0, 1000, busy=True)
+    assert not feed(rule, 1.0, 2 * BusyRule.WINDOW + 0.01, 0, busy=True)
+
+
+def test_a_full_claim_makes_it_busy_at_once():
+    rule = BusyRule(RATE, now=0.0)
+    assert rule.busy_after(0.001, 500, True, False)
