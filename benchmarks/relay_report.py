@@ -16,7 +16,7 @@ from benchmarks.relay_context import BENCH_DIR
 SEGMENTS = ("total", "wake", "commit_to_notify", "notify_to_claim", "claim", "deliver", "observe")
 
 
-GOAL_THROUGHPUT = 20_000.0
+GOAL_THROUGHPUT = 50_000.0
 
 
 GOAL_IDLE_P50_MS = 3.0

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One sitting: the peers comparison, the tracing overhead and the relay's throughput, each
+# in five rounds, back to back on one machine, so that their figures can be compared.
+# Each writes its JSON under benchmarks/results/; this script logs start and end times and
+# the load average to benchmarks/results/sitting.log. About 40 minutes on 2 vCPUs.
+# Run from the repository root with the project's venv: bash benchmarks/sitting.sh
+set -euo pipefail
+PY=${PY:-.venv/bin/python}
+ROUNDS=${ROUNDS:-5}
+OUT=benchmarks/results
+LOG=$OUT/sitting.log
+: >"$LOG"
+step() {
+    echo "$(date -u +%FT%TZ) start $* (load: $(cut -d' ' -f1-3 /proc/loadavg))" | tee -a "$LOG"
+    "$@"
+    echo "$(date -u +%FT%TZ) end (load: $(cut -d' ' -f1-3 /proc/loadavg))" | tee -a "$LOG"
+}
+echo "commit $(git rev-parse HEAD)$(git diff --quiet -- pipeline || echo ' with uncommitted pipeline/ changes')" >>"$LOG"
+step "$PY" -m benchmarks.peers --rounds "$ROUNDS" --observability default \
+    --output "$OUT/peers.json"
+step "$PY" -m benchmarks.overhead --rounds "$ROUNDS" --modes off,default,sampled \
+    --events-per-transaction 1 --duration 10 --output "$OUT/overhead_1_per_tx.json"
+for round in $(seq 1 "$ROUNDS"); do
+    step "$PY" benchmarks/relay.py --only throughput --batch-sizes 500,1000 --events 50000 \
+        --output "$OUT/relay_round_$round.json"
+done
