@@ -46,6 +46,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 from benchmarks import producer_cost as pc
+from benchmarks.e2e_app import API_VARIABLE
 from benchmarks.producer_cost import _machine, _ms, _percentile
 from pipeline.config import Settings, configure
 from pipeline.db.migrate import upgrade
@@ -198,9 +199,20 @@ class Pipeline:
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+@contextmanager
+def transaction(engine: Any) -> Iterator[Any]:
+    """A producer transaction: a Core connection (``--api core``) or an ORM ``Session``."""
+    if os.environ.get(API_VARIABLE, "core") == "session":
+        with Session(engine) as session, session.begin():
+            yield session
+    else:
+        with engine.begin() as connection:
+            yield connection
+
+
 def produce(engine: Any, committed: dict[uuid.UUID, float], per_transaction: int) -> None:
     """One producer transaction: ``per_transaction`` events (add_event, or add_events)."""
-    with Session(engine) as session, session.begin():
+    with transaction(engine) as session:
         if per_transaction == 1:
             ids = [add_event(session, EVENT_TYPE, {"n": 1, "note": "benchmark"})]
         else:
@@ -572,10 +584,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.1,
         help="share of traces the sampled mode records (default 0.1)",
     )
+    parser.add_argument(
+        "--api",
+        choices=("core", "session"),
+        default="core",
+        help=(
+            "core: producers add events on a Core connection (engine.begin()) and the "
+            "handler writes with exec_driver_sql; session: an ORM Session and "
+            "Session.execute(text(...))"
+        ),
+    )
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")
     parser.add_argument("--output", default=str(ROOT / "benchmarks/results/end_to_end.json"))
     args = parser.parse_args(argv)
+    os.environ[API_VARIABLE] = args.api  # the producer child and the workers inherit it
     only = set(args.only.split(","))
     logs = Path(tempfile.mkdtemp(prefix="pipeline-e2e-logs-"))
     with servers(args.database_url, args.redis_url) as (database_url, redis_url):
@@ -652,6 +675,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{args.producers} threads in one spawned process, "
                     f"{args.events_per_transaction} event(s) per transaction; with "
                     "observability on they trace (create spans, OTLP export)"
+                ),
+                "api": (
+                    "producers: engine.begin() + add_event; handler: exec_driver_sql"
+                    if args.api == "core"
+                    else "producers: Session + add_event; handler: Session.execute(text())"
                 ),
                 "worker_timeout_ms": settings.worker_timeout_ms,
                 "sampled_mode_ratio": args.sample_ratio,

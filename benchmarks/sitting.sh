@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # One sitting: the peers comparison, the tracing overhead and the relay's throughput, each
 # in five rounds, back to back on one machine, so that their figures can be compared.
-# Each writes its JSON under benchmarks/results/; this script logs start and end times and
-# the load average to benchmarks/results/sitting.log. About 40 minutes on 2 vCPUs.
+# Each writes its JSON under benchmarks/results/sitting/; this script logs start and end
+# times and the load average to its sitting.log, and sitting_summary.py condenses them into
+# summary.json. About 45 minutes on 2 vCPUs.
 # Run from the repository root with the project's venv: bash benchmarks/sitting.sh
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 ROUNDS=${ROUNDS:-5}
-OUT=benchmarks/results
+OUT=benchmarks/results/sitting
+mkdir -p "$OUT"
 LOG=$OUT/sitting.log
 : >"$LOG"
 step() {
@@ -20,7 +22,18 @@ step "$PY" -m benchmarks.peers --rounds "$ROUNDS" --observability default \
     --output "$OUT/peers.json"
 step "$PY" -m benchmarks.overhead --rounds "$ROUNDS" --modes off,default,sampled \
     --events-per-transaction 1 --duration 10 --output "$OUT/overhead_1_per_tx.json"
+# The producer and handler APIs: an ORM Session against a Core connection, order alternating.
+for round in $(seq 1 "$ROUNDS"); do
+    apis="core session"
+    if [ $((round % 2)) -eq 0 ]; then apis="session core"; fi
+    for api in $apis; do
+        step "$PY" -m benchmarks.end_to_end --only throughput --api "$api" --duration 10 \
+            --events-per-transaction 1 --observability default \
+            --output "$OUT/api_${api}_round_$round.json"
+    done
+done
 for round in $(seq 1 "$ROUNDS"); do
     step "$PY" benchmarks/relay.py --only throughput --batch-sizes 500,1000 --events 50000 \
         --output "$OUT/relay_round_$round.json"
 done
+"$PY" -m benchmarks.sitting_summary "$OUT"

@@ -2,7 +2,8 @@
 
 The whole outbox guarantee (DESIGN I1) rests on the event row joining the
 business transaction, so these functions take the caller's SQLAlchemy
-``Session``/``AsyncSession`` and never commit. Everything that can be wrong with
+``Session``/``AsyncSession`` (or, for SQLAlchemy Core code, its ``Connection``/
+``AsyncConnection`` inside a transaction) and never commit. Everything that can be wrong with
 an event is checked *before* any SQL runs, so a rejected event leaves the
 session and its transaction fully usable; so does a refusal for a full backlog
 (:class:`BacklogGate`, ``PIPELINE_BACKLOG_LIMIT``), raised before the insert.
@@ -20,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import context as otel_context
+from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncSession
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession
 from sqlalchemy.orm import Session
 
 from pipeline.config import Settings, get_settings
@@ -69,8 +71,10 @@ class NewEvent:
     event_id: uuid.UUID | None = None
 
 
-def add_event(session: Session, event_type: str, payload: Any, **fields: Any) -> uuid.UUID:
-    """Add one event to ``session``'s transaction and return its id.
+def add_event(
+    session: Session | Connection, event_type: str, payload: Any, **fields: Any
+) -> uuid.UUID:
+    """Add one event to the transaction of ``session`` (or Core ``Connection``); its id.
 
     Keyword arguments are the fields of :class:`NewEvent`. Raises
     :class:`EventValidationError` (before any SQL) for an invalid event.
@@ -78,12 +82,18 @@ def add_event(session: Session, event_type: str, payload: Any, **fields: Any) ->
     return add_events(session, [NewEvent(event_type, payload, **fields)])[0]
 
 
-def add_events(session: Session, events: Sequence[NewEvent]) -> list[uuid.UUID]:
-    """Add many events in one round trip; all are validated before any is written."""
+def add_events(session: Session | Connection, events: Sequence[NewEvent]) -> list[uuid.UUID]:
+    """Add many events in one round trip; all are validated before any is written.
+
+    A Core ``Connection`` must be in a transaction (``engine.begin()``, or after
+    ``connection.begin()``): the events commit with it, never on their own.
+    """
+    if isinstance(session, Connection):
+        _require_transaction(session.in_transaction())
     settings = get_settings()
     rows = prepare_rows(events, settings)
     if rows:
-        connection = session.connection()
+        connection = session if isinstance(session, Connection) else session.connection()
         try:
             if settings.backlog_limit and _gate.due(settings):
                 query, params = _gate.query(settings)
@@ -99,18 +109,25 @@ def add_events(session: Session, events: Sequence[NewEvent]) -> list[uuid.UUID]:
 
 
 async def add_event_async(
-    session: AsyncSession, event_type: str, payload: Any, **fields: Any
+    session: AsyncSession | AsyncConnection, event_type: str, payload: Any, **fields: Any
 ) -> uuid.UUID:
-    """:func:`add_event` for an ``AsyncSession``."""
+    """:func:`add_event` for an ``AsyncSession`` (or Core ``AsyncConnection``)."""
     return (await add_events_async(session, [NewEvent(event_type, payload, **fields)]))[0]
 
 
-async def add_events_async(session: AsyncSession, events: Sequence[NewEvent]) -> list[uuid.UUID]:
-    """:func:`add_events` for an ``AsyncSession``."""
+async def add_events_async(
+    session: AsyncSession | AsyncConnection, events: Sequence[NewEvent]
+) -> list[uuid.UUID]:
+    """:func:`add_events` for an ``AsyncSession`` (or Core ``AsyncConnection``)."""
+    if isinstance(session, AsyncConnection):
+        _require_transaction(session.in_transaction())
     settings = get_settings()
     rows = prepare_rows(events, settings)
     if rows:
-        connection = await session.connection()
+        if isinstance(session, AsyncConnection):
+            connection = session
+        else:
+            connection = await session.connection()
         try:
             if settings.backlog_limit and _gate.due(settings):
                 query, params = _gate.query(settings)
@@ -124,6 +141,20 @@ async def add_events_async(session: AsyncSession, events: Sequence[NewEvent]) ->
                 raise
             raise denied from exc
     return [row["id"] for row in rows]
+
+
+def _require_transaction(in_transaction: bool) -> None:
+    """Refuse a connection outside a transaction: its events would commit on their own.
+
+    A Session always has one (it begins on demand); a Core connection in SQLAlchemy 2's
+    autobegin style would begin one too, but a caller who passes a connection expects the
+    events to join a transaction it controls, so one that has none is a mistake.
+    """
+    if not in_transaction:
+        raise EventValidationError(
+            "add_event needs a connection inside a transaction (engine.begin() or "
+            "connection.begin()); nothing was written"
+        )
 
 
 def _denied(exc: DBAPIError, settings: Settings) -> PermissionDeniedError | None:

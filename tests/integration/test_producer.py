@@ -190,6 +190,42 @@ async def test_async_session_commit_and_rollback(settings, listener):
         await engine.dispose()
 
 
+def test_core_connection_joins_its_transaction_and_one_outside_a_transaction_is_refused(
+    engine, listener, business_table
+):
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO orders VALUES ('o1', 10)"))
+        add_event(conn, "order.placed", {"order": "o1"}, aggregate_id="o1")
+        conn.rollback()
+    assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 0
+    assert drain_notifications(listener, 0.5) == 0
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO orders VALUES ('o2', 20)"))
+        ids = add_events(conn, [NewEvent("order.placed", {"n": i}) for i in range(3)])
+    assert drain_notifications(listener, 2.0) == 1
+    with engine.connect() as conn:
+        with pytest.raises(EventValidationError, match="inside a transaction"):
+            add_event(conn, "order.placed", {"n": "no transaction"})
+        assert not conn.in_transaction()
+        stored = conn.execute(text("SELECT id FROM pipeline.outbox")).scalars().all()
+    assert sorted(stored) == sorted(ids)
+
+
+async def test_async_core_connection_commits_with_its_transaction(settings, listener):
+    engine = create_async_engine(settings.sqlalchemy_url())
+    try:
+        async with engine.begin() as conn:
+            await add_event_async(conn, "a", {"n": 1})
+        async with engine.connect() as conn:
+            with pytest.raises(EventValidationError, match="inside a transaction"):
+                await add_events_async(conn, [NewEvent("a", {"n": 2})])
+            total = (await conn.execute(text("SELECT count(*) FROM pipeline.outbox"))).scalar_one()
+        assert total == 1
+        assert drain_notifications(listener, 2.0) == 1
+    finally:
+        await engine.dispose()
+
+
 def test_ordered_inserts_find_their_key_by_index_even_after_an_empty_table_was_planned(
     engine, database_url
 ):
