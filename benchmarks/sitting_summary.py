@@ -1,0 +1,189 @@
+"""Condense one sitting (``benchmarks/sitting.sh``) into ``summary.json`` and a table.
+
+Reads the reports the sitting wrote into one folder: the peers comparison
+(``peers.json``), the tracing overhead (``overhead_1_per_tx.json``), the producer/handler
+API pairs (``api_<api>_round_<n>.json``) and the relay's throughput rounds
+(``relay_round_<n>.json``). Every figure keeps its per-round values next to the median,
+so a reader sees the spread a shared machine gives, not one lucky run. The summary only
+restates the reports; a report that is missing is named, not guessed.
+
+    python -m benchmarks.sitting_summary benchmarks/results/sitting
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+GOALS = {
+    "end_to_end_events_per_s": 3500.0,
+    "machine_cpu_ms_per_event": 0.55,
+    "p50_ms_at_200": 3.0,
+    "p99_ms_at_200": 10.0,
+    "p99_ms_at_1000": 15.0,
+    "relay_events_per_s": 50_000.0,
+    "tracing_as_shipped_throughput_ratio": 0.90,
+}
+
+
+def spread(values: Sequence[float]) -> dict[str, Any]:
+    """Per-round values with their median, min and max."""
+    return {
+        "by_round": list(values),
+        "median": round(statistics.median(values), 3) if values else None,
+        "min": min(values, default=None),
+        "max": max(values, default=None),
+    }
+
+
+def api_pairs(folder: Path) -> dict[str, Any]:
+    """End-to-end throughput and CPU per event for each producer/handler API, by round."""
+    by_api: dict[str, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for path in folder.glob("api_*_round_*.json"):
+        match = re.fullmatch(r"api_(\w+?)_round_(\d+)\.json", path.name)
+        if match is None:
+            continue
+        throughput = json.loads(path.read_text())["results"]["observability_default"]
+        by_api[match.group(1)][int(match.group(2))] = throughput["throughput"]
+    summary: dict[str, Any] = {}
+    for api, rounds in sorted(by_api.items()):
+        ordered = [rounds[n] for n in sorted(rounds)]
+        components: dict[str, list[float]] = defaultdict(list)
+        for run in ordered:
+            for name, value in run["cpu_ms_per_event_by_component"].items():
+                components[name].append(value)
+        summary[api] = {
+            "end_to_end_per_s": spread([run["end_to_end_per_s"] for run in ordered]),
+            "machine_cpu_ms_per_event": spread(
+                [run["machine_cpu_ms_per_event"] for run in ordered]
+            ),
+            "cpu_ms_per_event_by_component": {
+                name: spread(values) for name, values in sorted(components.items())
+            },
+        }
+    if {"core", "session"} <= set(by_api):
+        common = sorted(set(by_api["core"]) & set(by_api["session"]))
+        summary["session_over_core"] = {
+            "end_to_end_per_s": spread(
+                [
+                    round(
+                        by_api["session"][n]["end_to_end_per_s"]
+                        / by_api["core"][n]["end_to_end_per_s"],
+                        3,
+                    )
+                    for n in common
+                ]
+            ),
+            "machine_cpu_ms_per_event": spread(
+                [
+                    round(
+                        by_api["session"][n]["machine_cpu_ms_per_event"]
+                        / by_api["core"][n]["machine_cpu_ms_per_event"],
+                        3,
+                    )
+                    for n in common
+                ]
+            ),
+        }
+    return summary
+
+
+def relay_rounds(folder: Path) -> dict[str, Any]:
+    """Relay events/s per (batch size, drainers) over the rounds."""
+    cells: dict[str, list[float]] = defaultdict(list)
+    phases: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for path in sorted(folder.glob("relay_round_*.json")):
+        for run in json.loads(path.read_text())["throughput"]["runs"]:
+            key = f"batch {run['batch_size']}, {run['drainers']} drainer(s)"
+            cells[key].append(run["events_per_s"])
+            phases[key].append(run.get("phases", {}))
+    return {
+        key: {"events_per_s": spread(values), "phases_by_round": phases[key]}
+        for key, values in sorted(cells.items())
+    }
+
+
+def peers(folder: Path) -> list[dict[str, Any]] | None:
+    path = folder / "peers.json"
+    if not path.exists():
+        return None
+    rows: list[dict[str, Any]] = json.loads(path.read_text())["summary"]
+    return rows
+
+
+def overhead(folder: Path) -> dict[str, Any] | None:
+    path = folder / "overhead_1_per_tx.json"
+    if not path.exists():
+        return None
+    summary: dict[str, Any] = json.loads(path.read_text())["summary"]
+    return summary
+
+
+def goals(summary: dict[str, Any]) -> dict[str, Any]:
+    """Each goal of the performance work against the sitting's worst and median rounds."""
+    result: dict[str, Any] = {}
+    pipeline = next(
+        (row for row in summary["peers"] or [] if row["system"].startswith("pipeline")), None
+    )
+    if pipeline is not None:
+        result["end_to_end_events_per_s"] = pipeline["events_per_s_over_rounds"]
+        result["machine_cpu_ms_per_event"] = pipeline["machine_cpu_ms_per_event_over_rounds"]
+        latency = pipeline.get("latency_over_rounds", {})
+        for rate, name in (("200", "p50_ms"), ("200", "p99_ms"), ("1000", "p99_ms")):
+            if rate in latency:
+                result[f"{name.split('_')[0]}_ms_at_{rate}"] = latency[rate][name]
+    relay = summary["relay"]
+    if relay:
+        best = max(relay.values(), key=lambda cell: cell["events_per_s"]["median"])
+        result["relay_events_per_s"] = best["events_per_s"]
+    if summary["tracing_overhead"] and "default" in summary["tracing_overhead"]:
+        result["tracing_as_shipped_throughput_ratio"] = summary["tracing_overhead"]["default"][
+            "end_to_end_throughput_ratio"
+        ]
+    for name, figures in result.items():
+        goal = GOALS[name]
+        worst_is_max = name.startswith("p") or name == "machine_cpu_ms_per_event"
+        worst = figures["max"] if worst_is_max else figures["min"]
+        result[name] = {
+            "goal": goal,
+            **figures,
+            "median_meets_goal": _meets(figures["median"], goal, worst_is_max),
+            "every_round_meets_goal": _meets(worst, goal, worst_is_max),
+        }
+    return result
+
+
+def _meets(value: float, goal: float, at_most: bool) -> bool:
+    return value <= goal if at_most else value >= goal
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    folder = Path(args[0] if args else "benchmarks/results/sitting")
+    summary: dict[str, Any] = {
+        "folder": str(folder),
+        "log": (folder / "sitting.log").read_text() if (folder / "sitting.log").exists() else "",
+        "peers": peers(folder),
+        "tracing_overhead": overhead(folder),
+        "api": api_pairs(folder),
+        "relay": relay_rounds(folder),
+    }
+    summary["goals"] = goals(summary)
+    (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for name, figures in summary["goals"].items():
+        print(
+            f"{name:40} goal {figures['goal']:>9} median {figures['median']:>9} "
+            f"[{figures['min']}-{figures['max']}] every round: {figures['every_round_meets_goal']}"
+        )
+    print(f"wrote {folder / 'summary.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
