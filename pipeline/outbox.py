@@ -85,15 +85,17 @@ def add_event(
 def add_events(session: Session | Connection, events: Sequence[NewEvent]) -> list[uuid.UUID]:
     """Add many events in one round trip; all are validated before any is written.
 
-    A Core ``Connection`` must be in a transaction (``engine.begin()``, or after
-    ``connection.begin()``): the events commit with it, never on their own.
+    On a Core ``Connection`` the events join its transaction (``engine.begin()``, or the
+    one SQLAlchemy begins on first use: commit it as you commit your own writes). A
+    connection in ``AUTOCOMMIT`` is refused, as a session bound to one is: each statement
+    would commit on its own, and the events would no longer share the business
+    transaction's fate.
     """
-    if isinstance(session, Connection):
-        _require_transaction(session.in_transaction())
     settings = get_settings()
     rows = prepare_rows(events, settings)
     if rows:
         connection = session if isinstance(session, Connection) else session.connection()
+        _refuse_autocommit(connection.connection.driver_connection)
         try:
             if settings.backlog_limit and _gate.due(settings):
                 query, params = _gate.query(settings)
@@ -119,8 +121,6 @@ async def add_events_async(
     session: AsyncSession | AsyncConnection, events: Sequence[NewEvent]
 ) -> list[uuid.UUID]:
     """:func:`add_events` for an ``AsyncSession`` (or Core ``AsyncConnection``)."""
-    if isinstance(session, AsyncConnection):
-        _require_transaction(session.in_transaction())
     settings = get_settings()
     rows = prepare_rows(events, settings)
     if rows:
@@ -128,6 +128,8 @@ async def add_events_async(
             connection = session
         else:
             connection = await session.connection()
+        raw = await connection.get_raw_connection()
+        _refuse_autocommit(raw.driver_connection)
         try:
             if settings.backlog_limit and _gate.due(settings):
                 query, params = _gate.query(settings)
@@ -143,17 +145,13 @@ async def add_events_async(
     return [row["id"] for row in rows]
 
 
-def _require_transaction(in_transaction: bool) -> None:
-    """Refuse a connection outside a transaction: its events would commit on their own.
-
-    A Session always has one (it begins on demand); a Core connection in SQLAlchemy 2's
-    autobegin style would begin one too, but a caller who passes a connection expects the
-    events to join a transaction it controls, so one that has none is a mistake.
-    """
-    if not in_transaction:
+def _refuse_autocommit(driver_connection: Any) -> None:
+    """Refuse a connection whose statements commit one by one (checked before any SQL)."""
+    if getattr(driver_connection, "autocommit", False):
         raise EventValidationError(
-            "add_event needs a connection inside a transaction (engine.begin() or "
-            "connection.begin()); nothing was written"
+            "add_event needs a transaction, but the connection is in AUTOCOMMIT: each "
+            "statement would commit on its own; use engine.begin() or a Session on a "
+            "connection without isolation_level='AUTOCOMMIT' (nothing was written)"
         )
 
 

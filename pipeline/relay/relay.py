@@ -4,13 +4,14 @@ Loop states:
 
 * **idle** — blocks until a notification, a reconnect, or the adaptive poll timer
   (fast after it found work, doubling up to ``poll_interval_max`` when idle);
-* **busy** — while events arrive at ``busy_poll_rate`` a second or more (or a batch
-  comes back full; :class:`BusyRule`) it polls every ``poll_interval_busy`` instead and
-  advertises itself as busy in ``relay_state``, so producers skip NOTIFY and its
-  database-wide commit lock; at lower rates a NOTIFY wakes it sooner than a poll would,
-  for less work;
-* **hand-off** — when the rate falls under half of ``busy_poll_rate`` it clears the flag, then keeps
-  polling until every transaction that could have seen the flag set has ended
+* **busy** — while events arrive at ``busy_poll_rate`` a second or more (or claims are
+  still full after a second of draining; :class:`BusyRule`) it polls every
+  ``poll_interval_busy`` instead and advertises itself as busy in ``relay_state``, so
+  producers skip NOTIFY and its database-wide commit lock; at lower rates a NOTIFY wakes
+  it sooner than a poll would, for less work;
+* **hand-off** — when the rate stays under half of ``busy_poll_rate`` for five windows
+  in a row it clears the flag, then keeps polling until every transaction that could
+  have seen the flag set has ended
   (snapshot ``xmin`` passes the ``xmax`` taken after the flip), so no event committed
   during the switch waits for a poll; a NOTIFY cuts each of those polls' waits short.
 
@@ -106,24 +107,27 @@ class BusyRule:
     per message, which is what keeps workers ahead at 1,000 events/s. Polling costs a claim
     per interval and adds up to an interval to every event's latency. The cut-over is
     therefore a rate: the rule counts the events its cycles found over windows of
-    ``WINDOW`` seconds, makes the relay busy after one window at ``busy_rate`` or more (so
-    a burst is taken up within tens of milliseconds), and lets it go back to NOTIFY after
-    ``CALM_WINDOWS`` windows in a row under half of that (hysteresis: a rate near the
-    threshold, or one window's chance lull, does not flip it back and forth). A claim that
-    came back full makes it busy at once (a backlog). An earlier rule, "sixteen productive
-    cycles in a row after short waits", sent the relay polling at 200 events/s from eight
-    producers, whose commits come in clusters, and doubled the median commit-to-sent time.
+    ``WINDOW`` seconds, makes the relay busy after ``HOT_WINDOWS`` windows in a row at
+    ``busy_rate`` or more (so a sustained stream is taken up within a tenth of a second,
+    while one large transaction, which NOTIFYs once, is not), and lets it go back to
+    NOTIFY after ``CALM_WINDOWS`` windows in a row under half of that (hysteresis: a rate
+    near the threshold, or one window's lull, does not flip it back and forth). A backlog
+    (claims still full after a second of draining) makes it busy at once. Each relay
+    counts only what it claimed itself. The rule is unit-agnostic: ``now`` and
+    ``WINDOW`` in one unit, ``busy_rate`` in events per that unit.
     """
 
     WINDOW = 0.05
+    HOT_WINDOWS = 2
     CALM_WINDOWS = 5
 
     def __init__(self, busy_rate: float, now: float) -> None:
         self.busy_rate = busy_rate
         self._window_start = now
         self._window_found = 0
+        self._hot = 0  # consecutive windows at the rate or more
         self._calm = 0  # consecutive windows under half the rate
-        self.rate = 0.0  # events/s found over the last complete window
+        self.rate = 0.0  # events per unit of time found over the last complete window
 
     def busy_after(self, now: float, found: int, backlog: bool, busy: bool) -> bool:
         """Whether the relay should be (or stay) busy after a cycle that found ``found``."""
@@ -132,8 +136,12 @@ class BusyRule:
         if elapsed >= self.WINDOW:
             self.rate = self._window_found / elapsed
             self._window_start, self._window_found = now, 0
+            self._hot = self._hot + 1 if self.rate >= self.busy_rate else 0
             self._calm = self._calm + 1 if self.rate < self.busy_rate / 2 else 0
-        if backlog or self.rate >= self.busy_rate:
+        if backlog:
+            self._calm = 0
+            return True
+        if self._hot >= self.HOT_WINDOWS:
             return True
         return busy and self._calm < self.CALM_WINDOWS
 

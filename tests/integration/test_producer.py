@@ -190,7 +190,7 @@ async def test_async_session_commit_and_rollback(settings, listener):
         await engine.dispose()
 
 
-def test_core_connection_joins_its_transaction_and_one_outside_a_transaction_is_refused(
+def test_core_connection_joins_its_transaction_and_autocommit_is_refused(
     engine, listener, business_table
 ):
     with engine.begin() as conn:
@@ -198,27 +198,40 @@ def test_core_connection_joins_its_transaction_and_one_outside_a_transaction_is_
         add_event(conn, "order.placed", {"order": "o1"}, aggregate_id="o1")
         conn.rollback()
     assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 0
+    assert count(engine, "SELECT count(*) FROM orders") == 0
     assert drain_notifications(listener, 0.5) == 0
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO orders VALUES ('o2', 20)"))
         ids = add_events(conn, [NewEvent("order.placed", {"n": i}) for i in range(3)])
     assert drain_notifications(listener, 2.0) == 1
+    with engine.connect() as conn:  # "commit as you go": the event waits for the commit
+        late = add_event(conn, "order.placed", {"n": "autobegun"})
+        assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 3
+        conn.commit()
     with engine.connect() as conn:
-        with pytest.raises(EventValidationError, match="inside a transaction"):
-            add_event(conn, "order.placed", {"n": "no transaction"})
-        assert not conn.in_transaction()
+        autocommit = conn.execution_options(isolation_level="AUTOCOMMIT")
+        with pytest.raises(EventValidationError, match="AUTOCOMMIT"):
+            add_event(autocommit, "order.placed", {"n": "autocommit"})
+    with Session(engine.execution_options(isolation_level="AUTOCOMMIT")) as session:
+        with pytest.raises(EventValidationError, match="AUTOCOMMIT"):
+            add_event(session, "order.placed", {"n": "autocommit session"})
+    with engine.connect() as conn:
         stored = conn.execute(text("SELECT id FROM pipeline.outbox")).scalars().all()
-    assert sorted(stored) == sorted(ids)
+    assert sorted(stored) == sorted([*ids, late])
 
 
-async def test_async_core_connection_commits_with_its_transaction(settings, listener):
+async def test_async_core_connection_commits_with_its_transaction_and_autocommit_is_refused(
+    settings, listener
+):
     engine = create_async_engine(settings.sqlalchemy_url())
     try:
         async with engine.begin() as conn:
             await add_event_async(conn, "a", {"n": 1})
         async with engine.connect() as conn:
-            with pytest.raises(EventValidationError, match="inside a transaction"):
-                await add_events_async(conn, [NewEvent("a", {"n": 2})])
+            autocommit = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            with pytest.raises(EventValidationError, match="AUTOCOMMIT"):
+                await add_events_async(autocommit, [NewEvent("a", {"n": 2})])
+        async with engine.connect() as conn:
             total = (await conn.execute(text("SELECT count(*) FROM pipeline.outbox"))).scalar_one()
         assert total == 1
         assert drain_notifications(listener, 2.0) == 1
