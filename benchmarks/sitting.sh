@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One sitting: the peers comparison, the tracing overhead and the relay's throughput, each
-# in five rounds, back to back on one machine, so that their figures can be compared.
+# One sitting: the peers comparison, the tracing overhead, the producer/handler API pairs and
+# the relay's throughput, each in five rounds, then the database libraries' costs and a
+# profile of where the CPU goes (when py-spy is installed), back to back on one machine,
+# so that their figures can be compared.
 # Each writes its JSON under benchmarks/results/sitting/; this script logs start and end
 # times and the load average to its sitting.log, and sitting_summary.py condenses them into
 # summary.json. About 45 minutes on 2 vCPUs.
@@ -36,4 +38,9 @@ for round in $(seq 1 "$ROUNDS"); do
     step "$PY" benchmarks/relay.py --only throughput --batch-sizes 500,1000 --events 50000 \
         --output "$OUT/relay_round_$round.json"
 done
+step "$PY" -m benchmarks.dependency_costs --output "$OUT/dependency_costs.json"
+if "$PY" -c "import shutil, sys; sys.exit(0 if shutil.which('py-spy') else 1)" 2>/dev/null \
+    || [ -x "$(dirname "$PY")/py-spy" ]; then
+    step "$PY" -m benchmarks.profile_split --duration 15 --output "$OUT/profile_split.json"
+fi
 "$PY" -m benchmarks.sitting_summary "$OUT"
