@@ -163,6 +163,69 @@ def _meets(value: float, goal: float, at_most: bool) -> bool:
     return value <= goal if at_most else value >= goal
 
 
+def _figure(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float) and value >= 100:
+        return f"{value:,.0f}"
+    return f"{value:,}" if isinstance(value, int) else f"{value:g}"
+
+
+def _span(figures: dict[str, Any]) -> str:
+    """``median [min-max]`` of a spread."""
+    return f"{_figure(figures['median'])} [{_figure(figures['min'])}-{_figure(figures['max'])}]"
+
+
+def markdown(summary: dict[str, Any]) -> str:
+    """The sitting's tables, for docs/benchmarks.md (figures as in summary.json)."""
+    out = ["| goal | target | median [range] over rounds | median meets | every round meets |"]
+    out.append("|---|---:|---:|---|---|")
+    for name, figures in summary["goals"].items():
+        out.append(
+            f"| {name} | {_figure(figures['goal'])} | {_span(figures)} | "
+            f"{'yes' if figures['median_meets_goal'] else 'no'} | "
+            f"{'yes' if figures['every_round_meets_goal'] else 'no'} |"
+        )
+    out += ["", "| system | events/s | CPU ms/event | rate | p50 ms | p99 ms | commits/s |"]
+    out.append("|---|---:|---:|---:|---:|---:|---:|")
+    for row in summary["peers"] or []:
+        rates = row.get("latency_over_rounds", {})
+        for index, (rate, latency) in enumerate(sorted(rates.items(), key=lambda r: int(r[0]))):
+            head = (
+                [
+                    row["system"],
+                    _span(row["events_per_s_over_rounds"]),
+                    _span(row["machine_cpu_ms_per_event_over_rounds"]),
+                ]
+                if index == 0
+                else ["", "", ""]
+            )
+            cells = [rate, _span(latency["p50_ms"]), _span(latency["p99_ms"])]
+            cells.append(_span(latency["commits_per_s"]))
+            out.append("| " + " | ".join(head + cells) + " |")
+    api = summary["api"]
+    if api:
+        out += ["", "| producer and handler API | events/s | CPU ms/event |", "|---|---:|---:|"]
+        for name in ("core", "session"):
+            if name in api:
+                figures = api[name]
+                out.append(
+                    f"| {name} | {_span(figures['end_to_end_per_s'])} | "
+                    f"{_span(figures['machine_cpu_ms_per_event'])} |"
+                )
+        components = api.get("core", {}).get("cpu_ms_per_event_by_component", {})
+        if components:
+            out += ["", "| component (core API) | CPU ms/event |", "|---|---:|"]
+            ranked = sorted(components.items(), key=lambda item: -item[1]["median"])
+            out += [f"| {name} | {_span(figures)} |" for name, figures in ranked]
+    if summary["relay"]:
+        out += ["", "| relay | events/s |", "|---|---:|"]
+        out += [
+            f"| {key} | {_span(cell['events_per_s'])} |" for key, cell in summary["relay"].items()
+        ]
+    return "\n".join(out) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     folder = Path(args[0] if args else "benchmarks/results/sitting")
@@ -176,6 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     summary["goals"] = goals(summary)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (folder / "summary.md").write_text(markdown(summary))
     for name, figures in summary["goals"].items():
         print(
             f"{name:40} goal {figures['goal']:>9} median {figures['median']:>9} "
