@@ -201,7 +201,8 @@ def markdown(summary: dict[str, Any]) -> str:
                 else ["", "", ""]
             )
             cells = [rate, _span(latency["p50_ms"]), _span(latency["p99_ms"])]
-            cells.append(_span(latency["commits_per_s"]))
+            commits = latency.get("commits_per_s")
+            cells.append(_span(commits) if commits else "")
             out.append("| " + " | ".join(head + cells) + " |")
     api = summary["api"]
     if api:

@@ -58,3 +58,6 @@ def test_a_goal_met_by_the_median_but_missed_in_one_round_is_not_met_every_round
     assert "tracing_as_shipped_throughput_ratio" not in goals  # no overhead report: not guessed
     ratios = summary["api"]["session_over_core"]["end_to_end_per_s"]["by_round"]
     assert ratios == [round(2500 / 2800, 3), 1.0]
+    table = (tmp_path / "summary.md").read_text()
+    assert "| p99_ms_at_1000 | 15 | 12 [9-16] | yes | no |" in table
+    assert "| pipeline (observability_default) | 3,600 [3,550-3,700] |" in table
