@@ -34,6 +34,12 @@ for round in $(seq 1 "$ROUNDS"); do
             --output "$OUT/api_${api}_round_$round.json"
     done
 done
+# Ten events per producer transaction (add_events), as shipped.
+for round in $(seq 1 "$ROUNDS"); do
+    step "$PY" -m benchmarks.end_to_end --only throughput,latency --rates 1000 --duration 10 \
+        --events-per-transaction 10 --observability default \
+        --output "$OUT/ten_per_tx_round_$round.json"
+done
 for round in $(seq 1 "$ROUNDS"); do
     step "$PY" benchmarks/relay.py --only throughput --batch-sizes 500,1000 --events 50000 \
         --output "$OUT/relay_round_$round.json"

@@ -109,6 +109,25 @@ def relay_rounds(folder: Path) -> dict[str, Any]:
     }
 
 
+def ten_per_transaction(folder: Path) -> dict[str, Any] | None:
+    """End to end at ten events per producer transaction: throughput and 1,000/s latency."""
+    runs = [
+        json.loads(path.read_text())["results"]["observability_default"]
+        for path in sorted(folder.glob("ten_per_tx_round_*.json"))
+    ]
+    if not runs:
+        return None
+    latency = [run["latency"][0]["latency_ms"] for run in runs]
+    return {
+        "end_to_end_per_s": spread([run["throughput"]["end_to_end_per_s"] for run in runs]),
+        "machine_cpu_ms_per_event": spread(
+            [run["throughput"]["machine_cpu_ms_per_event"] for run in runs]
+        ),
+        "p50_ms_at_1000": spread([figures["p50"] for figures in latency]),
+        "p99_ms_at_1000": spread([figures["p99"] for figures in latency]),
+    }
+
+
 def peers(folder: Path) -> list[dict[str, Any]] | None:
     path = folder / "peers.json"
     if not path.exists():
@@ -219,6 +238,10 @@ def markdown(summary: dict[str, Any]) -> str:
             out += ["", "| component (core API) | CPU ms/event |", "|---|---:|"]
             ranked = sorted(components.items(), key=lambda item: -item[1]["median"])
             out += [f"| {name} | {_span(figures)} |" for name, figures in ranked]
+    ten = summary["ten_per_transaction"]
+    if ten:
+        out += ["", "| ten events per transaction | median [range] |", "|---|---:|"]
+        out += [f"| {name} | {_span(figures)} |" for name, figures in ten.items()]
     if summary["relay"]:
         out += ["", "| relay | events/s |", "|---|---:|"]
         out += [
@@ -237,6 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "tracing_overhead": overhead(folder),
         "api": api_pairs(folder),
         "relay": relay_rounds(folder),
+        "ten_per_transaction": ten_per_transaction(folder),
     }
     summary["goals"] = goals(summary)
     (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
