@@ -40,7 +40,18 @@ STAGES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("add_event: the rest (settings, backlog gate, session.connection)", ("add_events",)),
         (
             "the caller's transaction: begin, commit (SQLAlchemy + psycopg)",
-            ("Session", "TransactionalContext", "_StateChange", "Connection.begin", "commit"),
+            (
+                "Session",
+                "TransactionalContext",
+                "_StateChange",
+                "Engine.begin",
+                "Engine.connect",
+                "Connection.begin",
+                "Connection.__init__",
+                "Connection.close",
+                "_ConnectionFairy",
+                "commit",
+            ),
         ),
         ("benchmark loop", ("produce", "closed_loop")),
     ],
@@ -61,6 +72,7 @@ STAGES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("mark sent / outcomes", ("_settle", "_record_outcome")),
         ("rest of a batch", ("run_batch",)),
         ("loop, ledger sweep, janitor, metrics", ("Relay.", "Janitor", "ledger")),
+        ("LISTEN thread", ("Listener",)),
     ],
 }
 
@@ -77,6 +89,8 @@ def process_of(stack: str) -> str | None:
 
 
 def stage_of(process: str, frames: Sequence[str]) -> str:
+    if not frames:
+        return "no Python frame (C code holding the GIL)"
     for stage, needles in STAGES[process]:
         if any(needle in frame for frame in frames for needle in needles):
             return stage
