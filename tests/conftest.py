@@ -23,13 +23,13 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
-import redis
 from psycopg import sql
 from sqlalchemy import Engine, create_engine
 
 from pipeline.config import Settings, configure, libpq_url
 from pipeline.db.migrate import upgrade
 from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.transport.namespace import delete_namespace
 from tests.support import OtlpReceiver
 
 RUN_ID = uuid.uuid4().hex[:8]
@@ -167,13 +167,7 @@ def redis_namespace(redis_server_url: str) -> Iterator[str]:
     """A key namespace private to this test; only its own keys are deleted afterwards."""
     namespace = f"t{RUN_ID}{uuid.uuid4().hex[:8]}"
     yield namespace
-    client = redis.Redis.from_url(redis_server_url)
-    try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    delete_namespace(redis_server_url, namespace)
 
 
 @pytest.fixture

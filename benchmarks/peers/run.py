@@ -52,6 +52,7 @@ from psycopg import sql
 from benchmarks.end_to_end import durability, servers
 from benchmarks.peers import common
 from benchmarks.producer_cost import _code_version, _machine
+from pipeline.transport.namespace import delete_namespace
 
 ROOT = common.ROOT
 PEERS = {
@@ -197,17 +198,6 @@ def run_peer(
         "logs": str(logs),
         "semantics": module.SEMANTICS,
     }
-
-
-def delete_namespace(redis_url: str, namespace: str) -> None:
-    """Delete the Redis keys under ``namespace``: the pipeline leaves its queues behind."""
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
 
 
 def measure(

@@ -24,6 +24,7 @@ from pipeline.demo.sql import DemoQueries
 from pipeline.demo.workload import SKUS, STOCK_PER_SKU
 from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError, EmbeddedServerError
+from pipeline.transport.namespace import delete_namespace as delete_redis_namespace
 
 APP_MODULE = "pipeline.demo.app"
 SERVER_STOP_SECONDS = 2.0  # throwaway servers: a clean stop is a courtesy, not a need
@@ -167,12 +168,4 @@ def drop_schemas(engine: Engine, queries: DemoQueries, schemas: list[str]) -> No
 
 
 def delete_namespace(settings: Settings) -> None:
-    import redis
-
-    client = redis.Redis.from_url(settings.require_redis_url())
-    try:
-        keys = list(client.scan_iter(match=f"{settings.redis_namespace}:*", count=1000))
-        for start in range(0, len(keys), 500):
-            client.delete(*keys[start : start + 500])
-    finally:
-        client.close()
+    delete_redis_namespace(settings.require_redis_url(), settings.redis_namespace)

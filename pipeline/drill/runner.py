@@ -59,6 +59,7 @@ from pipeline.drill.sql import DrillQueries
 from pipeline.drill.workflow import API_URL_ENV, APP_SCHEMA_ENV, CONSUMERS, EVENT_TYPES, ROUTES
 from pipeline.drill.workload import Producer, SkewSegment, plan_orders
 from pipeline.errors import PipelineError
+from pipeline.transport.namespace import delete_namespace
 
 APP_MODULE = "pipeline.drill.app"
 READY_TIMEOUT = 120.0
@@ -670,15 +671,7 @@ class _Drill:
             conn.execute(self.queries.text("drop_schemas"))
 
     def _delete_keys(self, servers: _Servers) -> None:
-        import redis
-
-        client = redis.Redis.from_url(servers.redis_url)
-        try:
-            keys = list(client.scan_iter(match=f"{self.schema}:*", count=1000))
-            for start in range(0, len(keys), 500):
-                client.delete(*keys[start : start + 500])
-        finally:
-            client.close()
+        delete_namespace(servers.redis_url, self.schema)
 
     def _remove_work_dir(self) -> None:
         if self.keep_logs:
