@@ -50,12 +50,8 @@ def database(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    server = EmbeddedPostgres(durable=True)
-    server.start()
-    try:
+    with EmbeddedPostgres(durable=True) as server:  # started here, deleted afterwards
         yield server.url
-    finally:
-        server.cleanup()
 
 
 def cases(engine: Engine, url: str) -> dict[str, Callable[[int], None]]:
