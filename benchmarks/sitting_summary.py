@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks.peers.run import spread
 
 GOALS = {
     "end_to_end_events_per_s": 3500.0,
@@ -30,16 +31,6 @@ GOALS = {
     "relay_events_per_s": 50_000.0,
     "tracing_as_shipped_throughput_ratio": 0.90,
 }
-
-
-def spread(values: Sequence[float]) -> dict[str, Any]:
-    """Per-round values with their median, min and max."""
-    return {
-        "by_round": list(values),
-        "median": round(statistics.median(values), 3) if values else None,
-        "min": min(values, default=None),
-        "max": max(values, default=None),
-    }
 
 
 def api_pairs(folder: Path) -> dict[str, Any]:
@@ -154,9 +145,13 @@ def goals(summary: dict[str, Any]) -> dict[str, Any]:
         result["end_to_end_events_per_s"] = pipeline["events_per_s_over_rounds"]
         result["machine_cpu_ms_per_event"] = pipeline["machine_cpu_ms_per_event_over_rounds"]
         latency = pipeline.get("latency_over_rounds", {})
-        for rate, name in (("200", "p50_ms"), ("200", "p99_ms"), ("1000", "p99_ms")):
+        for key, rate, figure in (
+            ("p50_ms_at_200", "200", "p50_ms"),
+            ("p99_ms_at_200", "200", "p99_ms"),
+            ("p99_ms_at_1000", "1000", "p99_ms"),
+        ):
             if rate in latency:
-                result[f"{name.split('_')[0]}_ms_at_{rate}"] = latency[rate][name]
+                result[key] = latency[rate][figure]
     relay = summary["relay"]
     if relay:
         best = max(relay.values(), key=lambda cell: cell["events_per_s"]["median"])

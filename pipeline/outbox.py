@@ -2,11 +2,11 @@
 
 The whole outbox guarantee (DESIGN I1) rests on the event row joining the
 business transaction, so these functions take the caller's SQLAlchemy
-``Session``/``AsyncSession`` (or, for SQLAlchemy Core code, its ``Connection``/
-``AsyncConnection`` inside a transaction) and never commit. Everything that can be wrong with
-an event is checked *before* any SQL runs, so a rejected event leaves the
-session and its transaction fully usable; so does a refusal for a full backlog
-(:class:`BacklogGate`, ``PIPELINE_BACKLOG_LIMIT``), raised before the insert.
+``Session``/``AsyncSession`` (or, for Core code, its ``Connection``/``AsyncConnection``)
+and never commit. Everything that can be wrong with an event is checked *before* any
+SQL runs, so a rejected event leaves the session and its transaction fully usable; so
+does a refusal for a full backlog (:class:`BacklogGate`, ``PIPELINE_BACKLOG_LIMIT``),
+raised before the insert.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def add_events(session: Session | Connection, events: Sequence[NewEvent]) -> lis
     rows = prepare_rows(events, settings)
     if rows:
         connection = session if isinstance(session, Connection) else session.connection()
-        _refuse_autocommit(connection.connection.driver_connection)
+        _refuse_autocommit(connection)
         try:
             if settings.backlog_limit and _gate.due(settings):
                 query, params = _gate.query(settings)
@@ -128,8 +128,7 @@ async def add_events_async(
             connection = session
         else:
             connection = await session.connection()
-        raw = await connection.get_raw_connection()
-        _refuse_autocommit(raw.driver_connection)
+        _refuse_autocommit(connection.sync_connection)
         try:
             if settings.backlog_limit and _gate.due(settings):
                 query, params = _gate.query(settings)
@@ -145,9 +144,16 @@ async def add_events_async(
     return [row["id"] for row in rows]
 
 
-def _refuse_autocommit(driver_connection: Any) -> None:
-    """Refuse a connection whose statements commit one by one (checked before any SQL)."""
-    if getattr(driver_connection, "autocommit", False):
+def _refuse_autocommit(connection: Connection | None) -> None:
+    """Refuse a connection whose statements commit one by one (checked before any SQL).
+
+    Reads the driver connection's ``autocommit`` flag, which SQLAlchemy sets for
+    ``isolation_level="AUTOCOMMIT"``: an attribute read, no round trip (an async
+    connection's sync side is already connected, so no await is needed either).
+    """
+    if connection is None:
+        return
+    if getattr(connection.connection.driver_connection, "autocommit", False):
         raise EventValidationError(
             "add_event needs a transaction, but the connection is in AUTOCOMMIT: each "
             "statement would commit on its own; use engine.begin() or a Session on a "

@@ -24,7 +24,7 @@ from pipeline.demo.sql import DemoQueries
 from pipeline.demo.workload import SKUS, STOCK_PER_SKU
 from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError, EmbeddedServerError
-from pipeline.transport.namespace import delete_namespace as delete_redis_namespace
+from pipeline.transport.namespace import delete_namespace
 
 APP_MODULE = "pipeline.demo.app"
 SERVER_STOP_SECONDS = 2.0  # throwaway servers: a clean stop is a courtesy, not a need
@@ -158,14 +158,13 @@ def prepare_database(
         if not keep_data:
             cleanup.push("drop the demo's schemas", lambda: drop_schemas(engine, queries, schemas))
     if layout.own_namespace and not keep_data:
-        cleanup.push("delete the demo's Redis keys", lambda: delete_namespace(settings))
+        cleanup.push(
+            "delete the demo's Redis keys",
+            lambda: delete_namespace(settings.require_redis_url(), settings.redis_namespace),
+        )
 
 
 def drop_schemas(engine: Engine, queries: DemoQueries, schemas: list[str]) -> None:
     with engine.begin() as connection:
         for schema in schemas:
             connection.exec_driver_sql(queries.text("drop_schema", app=schema))
-
-
-def delete_namespace(settings: Settings) -> None:
-    delete_redis_namespace(settings.require_redis_url(), settings.redis_namespace)
