@@ -37,7 +37,7 @@ from pipeline.config import Settings
 from pipeline.db.migrate import upgrade
 from pipeline.db.queries import queries_for
 from pipeline.outbox import BacklogGate
-from pipeline.testing.embedded import EmbeddedPostgres
+from pipeline.tools.harness.embedded import EmbeddedPostgres
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "backlog_gate.json"
 

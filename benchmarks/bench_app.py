@@ -1,6 +1,6 @@
 """Routes for the relay process of ``benchmarks/relay.py``: consumer ``bench`` takes order.placed.
 
-Loaded by ``python -m pipeline.cli relay`` through ``PIPELINE_APP_MODULES=bench_app``
+Loaded by ``python -m pipeline.tools.cli relay`` through ``PIPELINE_APP_MODULES=bench_app``
 (with this directory on ``PYTHONPATH``). It registers a route only, no handler: the
 benchmark measures publishing, so nothing consumes the ``pipeline.bench`` queue.
 """

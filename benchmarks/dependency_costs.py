@@ -37,7 +37,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
 from benchmarks.producer_cost import _code_version, _machine
-from pipeline.testing.embedded import EmbeddedPostgres
+from pipeline.tools.harness.embedded import EmbeddedPostgres
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE = "bench_dependency_costs"

@@ -51,7 +51,7 @@ from benchmarks.producer_cost import _machine, _ms, _percentile
 from pipeline.config import Settings, configure
 from pipeline.db.migrate import upgrade
 from pipeline.outbox import NewEvent, add_event, add_events
-from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
+from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EVENT_TYPE = "bench.e2e"
@@ -179,7 +179,7 @@ class Pipeline:
         }
         self.processes = [
             subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", *command],
+                [sys.executable, "-m", "pipeline.tools.cli", *command],
                 env=env,
                 stdout=_log(logs, name),
                 stderr=subprocess.STDOUT,

@@ -60,7 +60,7 @@ from sqlalchemy.orm import Session
 from pipeline.config import Settings, configure, libpq_url
 from pipeline.db.migrate import functions_sql, notify_channel, upgrade
 from pipeline.outbox import add_event
-from pipeline.testing.embedded import EmbeddedPostgres
+from pipeline.tools.harness.embedded import EmbeddedPostgres
 
 MODES = ("business", "outbox_notify", "outbox_no_trigger", "outbox_relay_busy")
 OUTBOX_MODES = frozenset(MODES[1:])

@@ -79,7 +79,7 @@ STAGES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
 
 def process_of(stack: str) -> str | None:
     """Which benchmark process a sample came from (by its command line in the stack)."""
-    if "pipeline.cli relay" in stack:
+    if "pipeline.tools.cli relay" in stack:
         return "relay"
     if "dramatiq pipeline.worker" in stack:
         return "workers"

@@ -41,7 +41,7 @@ from benchmarks import producer_cost as pc
 from benchmarks.end_to_end import durability
 from pipeline.config import Settings, configure
 from pipeline.db.retention import Pruner, PruneResult, RetentionPolicy
-from pipeline.testing.embedded import EmbeddedPostgres
+from pipeline.tools.harness.embedded import EmbeddedPostgres
 
 SCHEMA = "pipeline"
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "prune_impact.json"

@@ -22,7 +22,7 @@ Three sections (``--only`` picks some), against a real durable Postgres and a re
   CLOCK_MONOTONIC on Linux, so both ends still read one clock).
 * ``producer_with_relay``: ``benchmarks/producer_cost.py``'s measurement (its functions,
   imported) for modes ``business`` and ``outbox`` (its ``outbox_notify``: trigger
-  installed, no fake heartbeat) while a real ``python -m pipeline.cli relay --mode inline``
+  installed, no fake heartbeat) while a real ``python -m pipeline.tools.cli relay --mode inline``
   process publishes; counts the NOTIFYs producers sent (a LISTEN from here) and samples
   the relay's busy flag.
 
@@ -67,7 +67,7 @@ from benchmarks.relay_report import code_state, print_tables, redis_info, write_
 from benchmarks.relay_throughput import BATCH_SIZES, run_throughput
 from benchmarks.relay_with_producers import run_producer_with_relay
 from pipeline.config import Settings, configure, libpq_url
-from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "results" / "relay.json"
 SECTIONS = ("throughput", "wakeup_latency", "producer_with_relay")

@@ -1,7 +1,7 @@
 """Section ``producer_with_relay``: what producers pay while a real relay process publishes.
 
 ``producer_cost.run_one`` for ``business`` and ``outbox`` (its ``outbox_notify``) while
-``python -m pipeline.cli relay --mode inline`` runs; a LISTEN here counts the NOTIFYs
+``python -m pipeline.tools.cli relay --mode inline`` runs; a LISTEN here counts the NOTIFYs
 producers sent, and 20 ms samples of relay_state give the relay's busy share.
 """
 
@@ -101,7 +101,7 @@ ORIGINAL_SAMPLE = pc._sample
 
 
 def start_relay_process(ctx: Context, log: Path) -> subprocess.Popen[bytes]:
-    """``python -m pipeline.cli relay --mode inline`` with bench_app's route."""
+    """``python -m pipeline.tools.cli relay --mode inline`` with bench_app's route."""
     env = dict(os.environ)
     env.update(
         PIPELINE_DATABASE_URL=ctx.url,
@@ -115,7 +115,7 @@ def start_relay_process(ctx: Context, log: Path) -> subprocess.Popen[bytes]:
     )
     with log.open("wb") as handle:
         process = subprocess.Popen(
-            [sys.executable, "-m", "pipeline.cli", "relay", "--mode", "inline"],
+            [sys.executable, "-m", "pipeline.tools.cli", "relay", "--mode", "inline"],
             env=env,
             stdout=handle,
             stderr=subprocess.STDOUT,
@@ -256,7 +256,7 @@ def run_producer_with_relay(
         "method": (
             "producer_cost.run_one for modes business and outbox_notify (reported as "
             "'outbox': add_event in the transaction, NOTIFY trigger installed, no fake "
-            "heartbeat) while `python -m pipeline.cli relay --mode inline` (routes from "
+            "heartbeat) while `python -m pipeline.tools.cli relay --mode inline` (routes from "
             "benchmarks/bench_app.py) publishes; before each run the outbox is truncated and "
             "the relay allowed to hand off. notifies = NOTIFYs received by a LISTEN here "
             "during the window; busy_fraction = share of 20 ms samples of relay_state in "

@@ -106,7 +106,7 @@ def main() -> int:
     from sqlalchemy import create_engine
 
     from pipeline.db.migrate import upgrade
-    from pipeline.testing.embedded import EmbeddedPostgres
+    from pipeline.tools.harness.embedded import EmbeddedPostgres
 
     server = EmbeddedPostgres(durable=False)
     server.start()

@@ -24,7 +24,7 @@ talk to the servers; anything else that escapes is a bug and keeps its traceback
     └── BacklogFull                 unsent events exceed PIPELINE_BACKLOG_LIMIT (nothing written)
 
 The classes are re-exported where they are raised (``pipeline.envelope.EnvelopeError``,
-``pipeline.transport.publisher.PublisherUnavailable``, ``pipeline.testing.embedded``'s
+``pipeline.transport.publisher.PublisherUnavailable``, ``pipeline.tools.harness.embedded``'s
 server errors), so either import path works.
 """
 

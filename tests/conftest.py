@@ -28,7 +28,7 @@ from sqlalchemy import Engine, create_engine
 
 from pipeline.config import Settings, configure, libpq_url
 from pipeline.db.migrate import upgrade
-from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
 from pipeline.transport.namespace import delete_namespace
 from tests.support import OtlpReceiver
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pipeline.testing.embedded import free_port
+from pipeline.tools.harness.embedded import free_port
 from tests.support import ROOT, wait_until
 
 ALERTS_DIR = ROOT / "alerts"

@@ -129,7 +129,7 @@ def start_worker(
     argv = [
         sys.executable,
         "-m",
-        "pipeline.cli",
+        "pipeline.tools.cli",
         "worker",
         "--processes",
         str(processes),
@@ -159,7 +159,7 @@ def multiprocess_metric(directory: Path, name: str, **labels: str) -> float:
 
 
 def start_relay(settings: Settings, app: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "pipeline.cli", "relay", *args]
+    argv = [sys.executable, "-m", "pipeline.tools.cli", "relay", *args]
     return start_process(argv, pipeline_env(settings, app), log)
 
 

@@ -16,8 +16,8 @@ import psycopg
 import pytest
 import redis
 
-from pipeline.drill.faults import KINDS, STAGING_KINDS
-from pipeline.drill.report import render_text
+from pipeline.tools.drill.faults import KINDS, STAGING_KINDS
+from pipeline.tools.drill.report import render_text
 
 pytestmark = pytest.mark.chaos
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.chaos
 def drill(*args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess[str], Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "drill", "--json", *args],
+        [sys.executable, "-m", "pipeline.tools.cli", "drill", "--json", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -96,7 +96,7 @@ def test_a_server_fault_against_a_given_server_is_refused_in_one_line():
         [
             sys.executable,
             "-m",
-            "pipeline.cli",
+            "pipeline.tools.cli",
             "drill",
             "--database-url",
             "postgresql://nobody@127.0.0.1:1/none",

@@ -17,7 +17,7 @@ import pytest
 from sqlalchemy import text
 
 from pipeline import NewEvent, Settings, configure
-from pipeline.testing.embedded import EmbeddedRedis
+from pipeline.tools.harness.embedded import EmbeddedRedis
 from tests.support import (
     pipeline_env,
     produce,
@@ -85,7 +85,7 @@ def assert_each_stage_once(engine, orders: list[str]) -> None:
 
 def status_json(settings: Settings) -> tuple[int, dict]:
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "status", "--json"],
+        [sys.executable, "-m", "pipeline.tools.cli", "status", "--json"],
         env=pipeline_env(settings, APP),
         capture_output=True,
         timeout=60,
@@ -170,7 +170,7 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
         assert any("300 deliveries to payments" in p for p in status["problems"]), status
         event_id = scalar(engine, "SELECT id FROM pipeline.outbox ORDER BY seq LIMIT 1")
         traced = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "trace", str(event_id), "--json"],
+            [sys.executable, "-m", "pipeline.tools.cli", "trace", str(event_id), "--json"],
             env=pipeline_env(settings, APP),
             capture_output=True,
             timeout=60,

@@ -25,7 +25,7 @@ from sqlalchemy import create_engine, text
 
 from pipeline import NewEvent, Settings, configure
 from pipeline.db.migrate import upgrade
-from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
 from tests.conftest import create_database
 from tests.support import (
     pipeline_env,
@@ -44,12 +44,21 @@ FAST_BACKOFF = {"PIPELINE_RECONNECT_BACKOFF_MAX": "2", **QUIET}
 
 
 def relay(settings: Settings, app: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "pipeline.cli", "relay"]
+    argv = [sys.executable, "-m", "pipeline.tools.cli", "relay"]
     return start_process(argv, pipeline_env(settings, app, **FAST_BACKOFF, **env), log)
 
 
 def worker(settings: Settings, app: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "pipeline.cli", "worker", "--processes", "1", "--threads", "2"]
+    argv = [
+        sys.executable,
+        "-m",
+        "pipeline.tools.cli",
+        "worker",
+        "--processes",
+        "1",
+        "--threads",
+        "2",
+    ]
     return start_process(argv, pipeline_env(settings, app, **FAST_BACKOFF, **env), log)
 
 
@@ -161,7 +170,7 @@ def test_a_redis_refusing_writes_releases_claims_at_once_and_counts_no_attempt(
 
 def run_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "pipeline.tools.cli", *args],
         env=pipeline_env(settings, INBOX_APP, **QUIET),
         capture_output=True,
         text=True,

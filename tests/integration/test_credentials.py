@@ -23,7 +23,7 @@ from pipeline.config import load_settings, redact_secrets, redact_url
 from pipeline.registry import Registry
 from pipeline.relay.canary import emit_canary
 from pipeline.runtime import build_runtime
-from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
 from tests.integration.conftest import drainer_for
 from tests.integration.test_observability import spans  # noqa: F401 - the fixture
 from tests.support import pipeline_env, produce, start_process, stop_process, wait_until
@@ -54,7 +54,7 @@ def free_port() -> int:
 
 def run(env: dict[str, str], args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "pipeline.tools.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -86,7 +86,7 @@ def env_for(settings: Settings, **urls: str) -> dict[str, str]:
 def assert_waits_without_secrets(env: dict[str, str], args: list[str], log, *secrets: str) -> str:
     """A relay or worker that cannot use its server waits (one line per try, naming the
     server), stops cleanly on SIGTERM, and never prints a secret or a traceback."""
-    process = start_process([sys.executable, "-m", "pipeline.cli", *args], env, log)
+    process = start_process([sys.executable, "-m", "pipeline.tools.cli", *args], env, log)
     try:
         wait_until(lambda: "next try in" in log.read_text(), timeout=60)
     finally:
@@ -232,9 +232,11 @@ def test_relay_and_worker_logs_never_hold_a_rejected_redis_password(
 ):
     url = f"redis://:{REDIS_SECRET}@127.0.0.1:{password_redis.port}/0"
     env = env_for(settings, PIPELINE_REDIS_URL=url, PIPELINE_METRICS_PORT="0")
-    relay = start_process([sys.executable, "-m", "pipeline.cli", "relay"], env, tmp_path / "r.log")
+    relay = start_process(
+        [sys.executable, "-m", "pipeline.tools.cli", "relay"], env, tmp_path / "r.log"
+    )
     worker = start_process(
-        [sys.executable, "-m", "pipeline.cli", "worker", "--processes", "1"],
+        [sys.executable, "-m", "pipeline.tools.cli", "worker", "--processes", "1"],
         env,
         tmp_path / "w.log",
     )
@@ -309,9 +311,11 @@ def test_processes_exporting_spans_to_the_console_print_no_password(settings, en
         OTEL_TRACES_EXPORTER="console",
         OTEL_BSP_SCHEDULE_DELAY="100",
     )
-    relay = start_process([sys.executable, "-m", "pipeline.cli", "relay"], env, tmp_path / "r.log")
+    relay = start_process(
+        [sys.executable, "-m", "pipeline.tools.cli", "relay"], env, tmp_path / "r.log"
+    )
     worker = start_process(
-        [sys.executable, "-m", "pipeline.cli", "worker", "--processes", "1"],
+        [sys.executable, "-m", "pipeline.tools.cli", "worker", "--processes", "1"],
         env,
         tmp_path / "w.log",
     )

@@ -26,7 +26,7 @@ def demo_command(*args: str) -> list[str]:
     script = Path(sys.executable).with_name("pipeline")
     if script.exists():
         return [str(script), "demo", *args]
-    return [sys.executable, "-m", "pipeline.cli", "demo", *args]
+    return [sys.executable, "-m", "pipeline.tools.cli", "demo", *args]
 
 
 def clean_env() -> dict[str, str]:
@@ -261,7 +261,7 @@ def test_unreachable_database_is_one_clear_line():
 def test_payment_api_honours_idempotency_keys_like_stripe():
     import httpx
 
-    from pipeline.demo.payment_api import PaymentServer
+    from pipeline.tools.demo.payment_api import PaymentServer
 
     api = PaymentServer(delay=0.3).start()
     try:

@@ -24,11 +24,11 @@ from psycopg import sql
 from sqlalchemy import text
 
 from pipeline import NewEvent, Settings, configure
-from pipeline.demo.payment_api import PaymentServer
 from pipeline.inbox.idempotency import idempotency_key
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
+from pipeline.tools.demo.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
 from tests.support import (
     multiprocess_metric,
@@ -68,7 +68,7 @@ def dlq_settings(settings: Settings, engine) -> Iterator[Settings]:
 
 def dlq(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "dlq", *args],
+        [sys.executable, "-m", "pipeline.tools.cli", "dlq", *args],
         check=False,
         env=pipeline_env(settings, APP, **env),
         capture_output=True,

@@ -19,9 +19,9 @@ import psycopg
 import pytest
 import redis
 
-from pipeline.admin.doctor import Report, run_doctor
 from pipeline.config import Settings
-from pipeline.testing.embedded import EmbeddedRedis
+from pipeline.tools.harness.embedded import EmbeddedRedis
+from pipeline.tools.ops.doctor import Report, run_doctor
 from tests.support import pipeline_env, start_relay, start_worker, stop_process, wait_until
 
 APP = "tests.apps.relay_app"
@@ -35,7 +35,7 @@ def doctor_settings(settings: Settings, private_redis: EmbeddedRedis) -> Setting
 
 def doctor_cli(settings: Settings, **env: str) -> tuple[int, dict[str, object], str]:
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "doctor", "--json"],
+        [sys.executable, "-m", "pipeline.tools.cli", "doctor", "--json"],
         env=pipeline_env(settings, APP, **env),
         capture_output=True,
         text=True,
@@ -72,7 +72,7 @@ def test_healthy_deployment_exits_zero(doctor_settings, tmp_path):
         wait_until(canary_arrived, timeout=90, interval=0.3)
         code, report, _ = doctor_cli(settings)
         text = subprocess.run(
-            [sys.executable, "-m", "pipeline.cli", "doctor"],
+            [sys.executable, "-m", "pipeline.tools.cli", "doctor"],
             env=pipeline_env(settings, APP),
             capture_output=True,
             text=True,

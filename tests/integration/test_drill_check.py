@@ -16,12 +16,12 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from pipeline import add_event
-from pipeline.demo.payment_api import PaymentServer
-from pipeline.drill.check import check_run
-from pipeline.drill.faults import Fault
-from pipeline.drill.report import RunFacts, build_report, exit_code, render_text
-from pipeline.drill.sql import DrillQueries
-from pipeline.drill.workflow import (
+from pipeline.tools.demo.payment_api import PaymentServer
+from pipeline.tools.drill.check import check_run
+from pipeline.tools.drill.faults import Fault
+from pipeline.tools.drill.report import RunFacts, build_report, exit_code, render_text
+from pipeline.tools.drill.sql import DrillQueries
+from pipeline.tools.drill.workflow import (
     CHARGES_PATH,
     EMAILS_PATH,
     LEDGER,

@@ -13,7 +13,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from pipeline.drill.proxy import ProxyProcess
+from pipeline.tools.drill.proxy import ProxyProcess
 
 
 @pytest.fixture

@@ -14,9 +14,9 @@ import psycopg
 import pytest
 import redis
 
-from pipeline.testing import binaries
-from pipeline.testing import server as lifecycle
-from pipeline.testing.embedded import (
+from pipeline.tools.harness import binaries
+from pipeline.tools.harness import server as lifecycle
+from pipeline.tools.harness.embedded import (
     BinaryNotFoundError,
     EmbeddedPostgres,
     EmbeddedRedis,
@@ -202,7 +202,7 @@ def test_redis_missing_binary(tmp_path: Path) -> None:
 
 OWNER_SCRIPT = """
 import json, sys, time
-from pipeline.testing.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
 pg, rd = EmbeddedPostgres(durable=False), EmbeddedRedis()
 pg.start()
 rd.start()

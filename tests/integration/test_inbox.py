@@ -19,10 +19,10 @@ import redis
 from sqlalchemy import text
 
 from pipeline import NewEvent, Settings, configure
-from pipeline.demo.payment_api import PaymentServer
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
+from pipeline.tools.demo.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
 from tests.support import (
     multiprocess_metric,

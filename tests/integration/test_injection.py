@@ -28,12 +28,12 @@ from pipeline import (
     consumer,
     load_settings,
 )
-from pipeline.admin.lineage import load_lineage
-from pipeline.admin.state import read_database_state
-from pipeline.cli import main as cli_main
 from pipeline.db.migrate import functions_sql, notify_channel, upgrade
 from pipeline.db.queries import queries_for
 from pipeline.registry import Registry
+from pipeline.tools.cli import main as cli_main
+from pipeline.tools.ops.lineage import load_lineage
+from pipeline.tools.ops.state import read_database_state
 from tests.conftest import create_database, drop_database
 
 HOSTILE = {

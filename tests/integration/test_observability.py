@@ -26,9 +26,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from pipeline import NewEvent, Settings, configure
-from pipeline.admin.state import StateCollector
 from pipeline.envelope import decode_envelope
 from pipeline.observability import metrics, tracing
+from pipeline.tools.ops.state import StateCollector
 from pipeline.transport.publisher import Delivery, PermanentPublishError
 from tests.integration.conftest import drainer_for
 from tests.support import (
@@ -379,7 +379,7 @@ def test_a_workflow_from_a_producer_without_opentelemetry_is_one_trace(
     trace_id = assert_one_trace_per_workflow(exported, engine)
     assert not by_name(exported, "create order.placed")  # the producer recorded nothing
     shown = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "trace", placed[0], "--json"],
+        [sys.executable, "-m", "pipeline.tools.cli", "trace", placed[0], "--json"],
         env=pipeline_env(relay_settings, APP),
         capture_output=True,
         text=True,
@@ -415,7 +415,7 @@ def test_relay_and_worker_processes_export_one_trace_over_otlp(
     }
     relay_log, worker_log = tmp_path / "relay.log", tmp_path / "worker.log"
     relay = start_process(
-        [sys.executable, "-m", "pipeline.cli", "relay"],
+        [sys.executable, "-m", "pipeline.tools.cli", "relay"],
         pipeline_env(settings, INBOX_APP, **otel),
         relay_log,
     )
@@ -711,7 +711,7 @@ def test_relay_metrics_endpoint_passes_promtool_and_matches_the_docs(settings, t
     port = free_port()
     log = tmp_path / "relay.log"
     relay = start_process(
-        [sys.executable, "-m", "pipeline.cli", "relay", "--metrics-port", str(port)],
+        [sys.executable, "-m", "pipeline.tools.cli", "relay", "--metrics-port", str(port)],
         pipeline_env(settings, APP),
         log,
     )
@@ -745,13 +745,13 @@ def test_worker_metrics_aggregate_dramatiq_processes(engine, settings, tmp_path)
     relay_log, worker_log = tmp_path / "relay.log", tmp_path / "worker.log"
     env = pipeline_env(settings, APP, PIPELINE_METRICS_PORT="0")
     relay = start_process(
-        [sys.executable, "-m", "pipeline.cli", "relay", "--mode", "workers"], env, relay_log
+        [sys.executable, "-m", "pipeline.tools.cli", "relay", "--mode", "workers"], env, relay_log
     )
     worker = start_process(
         [
             sys.executable,
             "-m",
-            "pipeline.cli",
+            "pipeline.tools.cli",
             "worker",
             "--processes",
             "2",
@@ -820,7 +820,7 @@ def test_worker_stops_dramatiq_on_sigterm(settings, tmp_path):
         [
             sys.executable,
             "-m",
-            "pipeline.cli",
+            "pipeline.tools.cli",
             "worker",
             "--processes",
             "1",
@@ -894,7 +894,7 @@ def test_prepare_multiprocess_dir_cleans_only_stale_metric_files(settings, tmp_p
 
 def run_status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "status", *args],
+        [sys.executable, "-m", "pipeline.tools.cli", "status", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -961,7 +961,7 @@ def test_status_json_reports_state_and_exit_codes(engine, runtime, settings):
     command = problem.split("`")[1]
     assert command == "pipeline dlq list --waiting"
     listed = subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *command.split()[1:], "--json"],
+        [sys.executable, "-m", "pipeline.tools.cli", *command.split()[1:], "--json"],
         env=env,
         capture_output=True,
         text=True,

@@ -36,8 +36,8 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, Settings, add_events, configure
-from pipeline.opskit import KitOptions
-from pipeline.testing.embedded import EmbeddedRedis, free_port
+from pipeline.tools.harness.embedded import EmbeddedRedis, free_port
+from pipeline.tools.opskit import KitOptions
 from tests.conftest import create_database, drop_database
 from tests.opskit_support import (
     Prometheus,
@@ -122,11 +122,11 @@ class Ops:
         )
 
     def start_relay(self) -> None:
-        argv = [sys.executable, "-m", "pipeline.cli", "relay"]
+        argv = [sys.executable, "-m", "pipeline.tools.cli", "relay"]
         self.relay = start_process(argv, self.env(), self.directory / "relay.log")
 
     def start_worker(self) -> None:
-        argv = [sys.executable, "-m", "pipeline.cli", "worker", "--processes", "1"]
+        argv = [sys.executable, "-m", "pipeline.tools.cli", "worker", "--processes", "1"]
         argv += ["--threads", "4"]
         self.worker = start_process(argv, self.env(), self.directory / "worker.log")
 

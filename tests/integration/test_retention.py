@@ -276,7 +276,7 @@ def prune_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str
         PIPELINE_AUDIT_RETENTION_SECONDS=str(RETENTION),
     )
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "prune", *args],
+        [sys.executable, "-m", "pipeline.tools.cli", "prune", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -360,7 +360,7 @@ def test_janitor_in_a_relay_process_prunes_and_counts(retention_settings, tmp_pa
         "PIPELINE_STATE_METRICS_INTERVAL": "0.1",
     }
     relay = start_process(
-        [sys.executable, "-m", "pipeline.cli", "relay", "--mode", "inline"],
+        [sys.executable, "-m", "pipeline.tools.cli", "relay", "--mode", "inline"],
         pipeline_env(retention_settings, "tests.apps.relay_app", **env_settings),
         log,
     )

@@ -24,9 +24,9 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, PermissionDeniedError, Settings, add_event, add_events, configure
-from pipeline.cli import main as cli_main
 from pipeline.db.privileges import dlq_grants, missing_privileges, relay_grants, worker_grants
 from pipeline.errors import ServiceUnavailableError
+from pipeline.tools.cli import main as cli_main
 from tests.conftest import create_database, drop_database
 from tests.support import ROOT, pipeline_env, start_process, stop_process, wait_until
 
@@ -157,7 +157,7 @@ def run_cli(
     env: dict[str, str], *args: str, timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "pipeline.tools.cli", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -348,13 +348,22 @@ def effects(setup: Deployment, consumer: str) -> int:
 
 def test_relay_and_worker_processes_deliver_with_only_their_grants(deployment, tmp_path):
     worker = start_process(
-        [sys.executable, "-m", "pipeline.cli", "worker", "--processes", "1", "--threads", "4"],
+        [
+            sys.executable,
+            "-m",
+            "pipeline.tools.cli",
+            "worker",
+            "--processes",
+            "1",
+            "--threads",
+            "4",
+        ],
         deployment.env("worker"),
         tmp_path / "worker.log",
     )
     # first the workers publish (publishing actors), then the relay itself, with the canary
     relay = start_process(
-        [sys.executable, "-m", "pipeline.cli", "relay", "--mode", "workers"],
+        [sys.executable, "-m", "pipeline.tools.cli", "relay", "--mode", "workers"],
         deployment.env("relay"),
         tmp_path / "relay-workers.log",
     )
@@ -365,7 +374,7 @@ def test_relay_and_worker_processes_deliver_with_only_their_grants(deployment, t
         wait_until(lambda: effects(deployment, "role_shipping") == 5, timeout=60)
         stop_process(relay)
         relay = start_process(
-            [sys.executable, "-m", "pipeline.cli", "relay"],
+            [sys.executable, "-m", "pipeline.tools.cli", "relay"],
             deployment.env("relay", PIPELINE_CANARY_INTERVAL="0.5"),
             tmp_path / "relay-auto.log",
         )
@@ -482,7 +491,7 @@ def test_a_worker_that_does_not_publish_needs_no_publishing_grants(deployment):
 def test_a_relay_whose_grant_is_revoked_while_it_runs_stops_with_one_line(deployment, tmp_path):
     log = tmp_path / "relay.log"
     relay = start_process(
-        [sys.executable, "-m", "pipeline.cli", "relay"], deployment.env("relay"), log
+        [sys.executable, "-m", "pipeline.tools.cli", "relay"], deployment.env("relay"), log
     )
     try:
         wait_until(lambda: "relay started" in log.read_text(), timeout=30)

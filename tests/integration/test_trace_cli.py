@@ -19,7 +19,7 @@ def trace(settings, *args: str) -> subprocess.CompletedProcess[str]:
     env["PIPELINE_DATABASE_URL"] = settings.require_database_url()
     env["PIPELINE_TRACE_UI_URL"] = "http://jaeger.local:16686"
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", "trace", *args],
+        [sys.executable, "-m", "pipeline.tools.cli", "trace", *args],
         check=False,
         env=env,
         capture_output=True,

@@ -18,8 +18,8 @@ import click
 import pytest
 import yaml
 
-from pipeline.cli import cli
 from pipeline.config import ENV_PREFIX, Settings
+from pipeline.tools.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
@@ -109,8 +109,8 @@ def test_pipeline_commands_exist(name):
     elif args[:2] == ["python", "-m"]:
         module = args[2]
         assert importlib.util.find_spec(module) is not None, module
-        if module == "pipeline.demo.payment_api":
-            from pipeline.demo.payment_api import build_parser
+        if module == "pipeline.tools.demo.payment_api":
+            from pipeline.tools.demo.payment_api import build_parser
 
             build_parser().parse_args(args[3:])
 
@@ -222,7 +222,7 @@ def prometheus_config() -> dict[str, Any]:
 
 
 def test_prometheus_scrapes_relay_and_workers_under_the_kits_job_names():
-    from pipeline.opskit import KitOptions
+    from pipeline.tools.opskit import KitOptions
 
     kit = KitOptions()
     jobs = {

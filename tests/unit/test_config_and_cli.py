@@ -17,7 +17,7 @@ def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
     clean.update(env)
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.cli", *args],
+        [sys.executable, "-m", "pipeline.tools.cli", *args],
         check=False,
         env=clean,
         capture_output=True,
@@ -71,7 +71,7 @@ def test_unreachable_database_is_one_line_without_the_password():
 
 
 def test_every_command_has_help():
-    from pipeline.cli import cli
+    from pipeline.tools.cli import cli
 
     def walk(group, prefix):
         for name, command in group.commands.items():

@@ -9,18 +9,18 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from pipeline.admin.audit import AuditRecord, render_actions
-from pipeline.admin.dlq.events import event_from_envelope
-from pipeline.admin.dlq.filters import FilterError, build_filter, parse_when
-from pipeline.admin.dlq.rate import TokenBucket
-from pipeline.admin.dlq.records import DeadLetter
-from pipeline.admin.dlq.replay import plan_replay, require_routes
 from pipeline.envelope import OutboxEvent, decode_envelope, encode_envelope
 from pipeline.errors import ConfigurationError
 from pipeline.inbox.context import ExternalCall, HandlerContext, SandboxLog
 from pipeline.inbox.http import idempotent_post
 from pipeline.inbox.idempotency import idempotency_key
 from pipeline.registry import Registry
+from pipeline.tools.ops.audit import AuditRecord, render_actions
+from pipeline.tools.ops.dlq.events import event_from_envelope
+from pipeline.tools.ops.dlq.filters import FilterError, build_filter, parse_when
+from pipeline.tools.ops.dlq.rate import TokenBucket
+from pipeline.tools.ops.dlq.records import DeadLetter
+from pipeline.tools.ops.dlq.replay import plan_replay, require_routes
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 

@@ -3,8 +3,8 @@
 A command is taken from code: inline code spans and shell code blocks of README.md and
 docs/*.md, and backtick-quoted spans of the string literals in the ``pipeline`` package
 (its messages tell operators what to run). Each is walked down the click group of
-``pipeline.cli``: every word must name a subcommand until a command that takes arguments
-is reached. Module paths (``pipeline.cli``), metric names (``pipeline_…``) and Python
+``pipeline.tools.cli``: every word must name a subcommand until a command that takes arguments
+is reached. Module paths (``pipeline.tools.cli``), metric names (``pipeline_…``) and Python
 imports (``from pipeline import …``) are not commands and are skipped.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 import pytest
 
-from pipeline.cli import cli
+from pipeline.tools.cli import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SHELL_FENCES = {"bash", "sh", "shell", "console", ""}
@@ -136,7 +136,7 @@ def test_a_command_that_does_not_exist_is_reported(text: str) -> None:
         ("`pipeline db upgrade`", ["db", "upgrade"]),
         ("```bash\n.venv/bin/pipeline demo   # no services needed\n```", ["demo"]),
         ("```bash\nexport PIPELINE_APP_MODULES=shop.consumers\n```", None),
-        ("`pipeline.cli`, `pipeline_relay_up`, `pipeline-bench`", None),
+        ("`pipeline.tools.cli`, `pipeline_relay_up`, `pipeline-bench`", None),
         ("```python\nfrom pipeline import add_event\n```", None),
         ("`from pipeline import add_event`", None),
         ("see `pipeline\ntrace EVENT_ID`, wrapped", ["trace"]),

@@ -7,12 +7,12 @@ from collections import Counter
 
 import pytest
 
-from pipeline.drill.check import Undelivered, mark_held
-from pipeline.drill.faults import KINDS, OWNED_ONLY, STAGING_KINDS, Fault, schedule
-from pipeline.drill.report import probable_cause
-from pipeline.drill.runner import DrillError, DrillOptions, allowed_kinds
-from pipeline.drill.workflow import LEDGER, PAYMENTS
-from pipeline.drill.workload import plan_orders
+from pipeline.tools.drill.check import Undelivered, mark_held
+from pipeline.tools.drill.faults import KINDS, OWNED_ONLY, STAGING_KINDS, Fault, schedule
+from pipeline.tools.drill.report import probable_cause
+from pipeline.tools.drill.runner import DrillError, DrillOptions, allowed_kinds
+from pipeline.tools.drill.workflow import LEDGER, PAYMENTS
+from pipeline.tools.drill.workload import plan_orders
 
 
 def test_every_kind_at_least_once_when_there_are_enough_faults():

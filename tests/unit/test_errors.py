@@ -39,7 +39,7 @@ def test_every_error_is_a_pipeline_error_drawn_in_the_tree():
 
 def test_public_names_and_the_modules_that_raise_them_share_the_classes():
     from pipeline.envelope import EnvelopeError
-    from pipeline.testing.embedded import BinaryNotFoundError, EmbeddedServerError
+    from pipeline.tools.harness.embedded import BinaryNotFoundError, EmbeddedServerError
     from pipeline.transport.publisher import PermanentPublishError, PublisherUnavailable
 
     assert EnvelopeError is errors.EnvelopeError and issubclass(EnvelopeError, ValueError)

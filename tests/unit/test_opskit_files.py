@@ -1,4 +1,4 @@
-"""alerts/ and dashboards/ are what pipeline.opskit renders: edit the code, then render."""
+"""alerts/ and dashboards/ are what pipeline.tools.opskit renders: edit the code, then render."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from pipeline.opskit import KitOptions, render_kit
-from pipeline.opskit.__main__ import main
+from pipeline.tools.opskit import KitOptions, render_kit
+from pipeline.tools.opskit.__main__ import main
 from tests.support import ROOT
 
 
@@ -22,7 +22,7 @@ def test_committed_files_equal_the_rendered_kit():
         "dashboards/pipeline-consumers.json",
     }
     stale = [path for path, text in rendered.items() if (ROOT / path).read_text() != text]
-    assert not stale, f"render again with `python -m pipeline.opskit`: {stale}"
+    assert not stale, f"render again with `python -m pipeline.tools.opskit`: {stale}"
 
 
 def test_check_mode_reports_a_stale_file(tmp_path, capsys):
@@ -34,7 +34,7 @@ def test_check_mode_reports_a_stale_file(tmp_path, capsys):
 
 
 def test_a_deployment_renders_its_own_jobs_links_and_group_labels(tmp_path):
-    argv = [sys.executable, "-m", "pipeline.opskit", "--out", str(tmp_path)]
+    argv = [sys.executable, "-m", "pipeline.tools.opskit", "--out", str(tmp_path)]
     argv += ["--relay-job", "outbox-relay", "--worker-job", "outbox-worker"]
     argv += ["--group-label", "namespace", "--grafana-url", "https://grafana.example.com/"]
     argv += ["--runbook-url", "https://git.example.com/ops/pipeline/blob/main/runbooks/{name}.md"]

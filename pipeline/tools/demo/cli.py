@@ -1,0 +1,123 @@
+"""The ``pipeline demo`` command. Importing this module is cheap (click only), so that
+registering the command keeps ``pipeline --help`` fast; the demo loads on first use."""
+
+from __future__ import annotations
+
+import click
+
+
+def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise click.BadParameter("expected an http:// or https:// URL")
+    return value
+
+
+@click.command()
+@click.option(
+    "--events",
+    "-n",
+    type=click.IntRange(min=1),
+    default=200,
+    show_default=True,
+    help="Orders to place (each makes order.placed -> payment.charged -> stock.reserved), "
+    "plus one poison order.",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(min=0),
+    default=25.0,
+    show_default=True,
+    help="Orders per second the producer places (0: as fast as it can). Latency is measured "
+    "at this rate; above what the machine sustains it turns into queueing time.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print only a JSON summary on stdout.")
+@click.option(
+    "--keep-running",
+    is_flag=True,
+    help="After the summary, leave the relay, workers, servers and metrics endpoints up "
+    "until Ctrl-C, and write a prometheus.yml (with the pipeline's alert rules) that a local "
+    "Prometheus can start on.",
+)
+@click.option(
+    "--duplicates",
+    "duplicate_rate",
+    type=click.FloatRange(0, 1),
+    default=0.1,
+    show_default=True,
+    help="Share of sent events delivered a second time to their consumers.",
+)
+@click.option(
+    "--failures",
+    "fail_rate",
+    type=click.FloatRange(0, 1),
+    default=0.05,
+    show_default=True,
+    help="Share of handler attempts that fail transiently (after doing their work).",
+)
+@click.option(
+    "--poison/--no-poison",
+    default=True,
+    show_default=True,
+    help="Add one order that payments can never process (it must be dead-lettered).",
+)
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    default=2,
+    show_default=True,
+    help="Worker processes.",
+)
+@click.option(
+    "--threads",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Threads per worker process.",
+)
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=1),
+    default=90.0,
+    show_default=True,
+    help="Seconds to wait for every order to finish before reporting a failure.",
+)
+@click.option(
+    "--external",
+    is_flag=True,
+    help="Do not start a relay, workers or API: use running ones (docker-compose). Needs "
+    "PIPELINE_DATABASE_URL, PIPELINE_REDIS_URL and --api-url.",
+)
+@click.option(
+    "--api-url",
+    default=None,
+    callback=_http_url,
+    help="Use this payment/e-mail API instead of starting one.",
+)
+@click.option(
+    "--worker-metrics-url",
+    default=None,
+    callback=_http_url,
+    help="With --external: the workers' /metrics URL, to count the duplicates they absorbed.",
+)
+@click.option(
+    "--keep-data",
+    is_flag=True,
+    help="Against configured servers: keep the demo's own schemas and Redis keys.",
+)
+@click.option("--seed", type=int, default=None, help="Seed for orders and injected faults.")
+def demo(**options: object) -> None:
+    """Run an order workflow through a real pipeline and check its guarantees.
+
+    Without PIPELINE_DATABASE_URL / PIPELINE_REDIS_URL it starts throwaway Postgres and
+    Redis (the `embedded` extra); it always starts its own relay, workers and local
+    payment/e-mail API (unless --external). It injects duplicate deliveries, transient
+    failures and a poison event, then prints a summary: events produced, published and
+    processed, duplicates absorbed, charges vs orders, dead letters, latency and the
+    trace of one order. Exits 1 when an invariant fails, 130 on Ctrl-C; everything it
+    started is stopped and deleted either way.
+    """
+    from pipeline.tools.demo.runner import DemoOptions, run_demo
+
+    code = run_demo(DemoOptions(**options))  # type: ignore[arg-type]
+    if code:
+        raise click.exceptions.Exit(code)

@@ -1,0 +1,211 @@
+"""The faults the drill injects, when, and how each is done.
+
+The schedule comes from the seeded RNG: which kinds (every selected kind at least once when
+there are enough faults), at which points of the production window, on which targets, for
+how long. Faults run one after another on the drill's main thread when production reaches
+their point; one that falls due while the previous is still running starts right after it.
+``clock-skew`` is not injected here: it is a segment of the producer's plan placed by a
+producer process with a shifted clock.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psycopg
+
+from pipeline.tools.drill.fleet import Fleet, Kind, Member
+from pipeline.tools.drill.sql import DrillQueries
+
+KINDS = (
+    "relay-kill",
+    "worker-kill",
+    "listen-terminate",
+    "worker-terminate",
+    "postgres-restart-fast",
+    "postgres-restart-immediate",
+    "redis-restart-always",
+    "redis-restart-everysec",
+    "redis-restart-volatile",
+    "redis-down",
+    "proxy-drop",
+    "proxy-stall",
+    "clock-skew",
+)
+DESCRIPTIONS = {
+    "relay-kill": "SIGKILL of a relay process, restarted after 0.5-3 s",
+    "worker-kill": "SIGKILL of a worker's process group, restarted after 0.5-3 s",
+    "listen-terminate": "pg_terminate_backend of relays' LISTEN connections",
+    "worker-terminate": "pg_terminate_backend of every database connection of workers",
+    "postgres-restart-fast": "Postgres stopped with -m fast and started again",
+    "postgres-restart-immediate": "Postgres stopped with -m immediate (crash) and started again",
+    "redis-restart-always": "Redis SIGKILLed and restarted, AOF with appendfsync always",
+    "redis-restart-everysec": "Redis SIGKILLed and restarted, AOF with appendfsync everysec",
+    "redis-restart-volatile": "Redis SIGKILLed and restarted without persistence: data lost",
+    "redis-down": "Redis shut down for 2-6 s, then started again (data kept)",
+    "proxy-drop": "every connection through the proxy to Postgres and/or Redis dropped",
+    "proxy-stall": "all traffic through the proxy to Postgres and/or Redis stalled 1-4 s",
+    "clock-skew": "a stretch of orders placed by a producer whose clock is shifted",
+}
+OWNED_ONLY = frozenset(kind for kind in KINDS if kind.startswith(("postgres-", "redis-")))
+"""Faults done to a server, which the drill does only to servers it started itself."""
+STAGING_KINDS = tuple(kind for kind in KINDS if kind not in OWNED_ONLY)
+FIND_CONNECTIONS_SECONDS = 5.0
+
+
+@dataclass
+class Fault:
+    kind: str
+    offset: float  # planned seconds after the start of production
+    target: str = ""
+    seconds: float = 0.0  # how long it lasts (down time, stall, restart delay), planned
+    skew: float = 0.0  # clock-skew: the shift, in seconds
+    started: float | None = None  # wall clock (time.time())
+    ended: float | None = None
+    detail: str = ""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "target": self.target,
+            "started": self.started,
+            "ended": self.ended,
+            "detail": self.detail,
+        }
+
+
+def schedule(kinds: tuple[str, ...], count: int, window: float, rng: random.Random) -> list[Fault]:
+    """``count`` faults over ``window`` seconds: each kind once (if ``count`` allows), then
+    kinds at random, at random moments between 5 % and 90 % of the window."""
+    if count <= 0 or not kinds:
+        return []
+    chosen = list(kinds) if count >= len(kinds) else rng.sample(list(kinds), count)
+    chosen += [rng.choice(kinds) for _ in range(count - len(chosen))]
+    rng.shuffle(chosen)
+    offsets = sorted(rng.uniform(0.05, 0.9) * window for _ in chosen)
+    faults = []
+    for kind, offset in zip(chosen, offsets, strict=True):
+        fault = Fault(kind, offset)
+        if kind in ("relay-kill", "worker-kill"):
+            fault.seconds = rng.uniform(0.5, 3.0)
+        elif kind == "redis-down":
+            fault.seconds = rng.uniform(2.0, 6.0)
+        elif kind == "redis-restart-everysec":
+            fault.seconds = rng.uniform(0.5, 2.0)  # traffic under everysec before the crash
+        elif kind == "proxy-stall":
+            fault.seconds = rng.uniform(1.0, 4.0)
+        elif kind == "clock-skew":
+            fault.seconds = rng.uniform(2.0, 5.0)
+            fault.skew = rng.choice((-1, 1)) * rng.uniform(60.0, 3600.0)
+        if kind.startswith("proxy-"):
+            fault.target = rng.choice(("postgres", "redis", "both"))
+        faults.append(fault)
+    return faults
+
+
+class Proxies:
+    """The drill's proxies in front of Postgres and Redis (``None`` where none runs)."""
+
+    def __init__(self, postgres: Any, redis: Any) -> None:
+        self.by_name = {"postgres": postgres, "redis": redis}
+
+    def send(self, target: str, command: str) -> str:
+        names = ("postgres", "redis") if target == "both" else (target,)
+        answers = []
+        for name in names:
+            proxy = self.by_name.get(name)
+            answers.append(f"{name}: {proxy.command(command) if proxy else 'no proxy'}")
+        return ", ".join(answers)
+
+
+@dataclass
+class Injector:
+    """Does each fault; runs on the main thread (it starts processes)."""
+
+    fleet: Fleet
+    database_url: str
+    queries: DrillQueries
+    proxies: Proxies
+    rng: random.Random
+    postgres: Any = None  # OwnedPostgres when the drill owns the server
+    redis: Any = None  # OwnedRedis likewise
+    wait: Callable[[float], None] = time.sleep
+    done: list[Fault] = field(default_factory=list)
+
+    def inject(self, fault: Fault) -> None:
+        fault.started = time.time()
+        try:
+            fault.detail = self._do(fault)
+        except Exception as exc:  # a fault that could not be done is reported, not fatal
+            fault.detail = f"could not be done: {type(exc).__name__}: {str(exc)[:200]}"
+        fault.ended = time.time()
+        self.done.append(fault)
+
+    def _do(self, fault: Fault) -> str:
+        kind = fault.kind
+        if kind in ("relay-kill", "worker-kill"):
+            return self._kill(fault, "relay" if kind == "relay-kill" else "worker")
+        if kind == "listen-terminate":
+            return self._terminate(fault, "relay", "listen_backends")
+        if kind == "worker-terminate":
+            return self._terminate(fault, "worker", "app_backends")
+        if kind.startswith("postgres-restart-"):
+            mode = kind.removeprefix("postgres-restart-")
+            down = self.postgres.restart(mode)
+            return f"down {down:.1f} s"
+        if kind.startswith("redis-restart-"):
+            mode = kind.removeprefix("redis-restart-")
+            self.redis.prepare(mode)
+            if fault.seconds:
+                self.wait(fault.seconds)
+            down = self.redis.crash(mode)
+            return f"down {down:.1f} s" + (" (came back empty)" if mode == "volatile" else "")
+        if kind == "redis-down":
+            return f"down {self.redis.down(fault.seconds):.1f} s"
+        if kind == "proxy-drop":
+            return self.proxies.send(fault.target, "drop")
+        if kind == "proxy-stall":
+            answer = self.proxies.send(fault.target, f"stall {fault.seconds:.2f}")
+            self.wait(fault.seconds)
+            return f"{fault.seconds:.1f} s; {answer}"
+        raise ValueError(f"unknown fault kind {kind!r}")
+
+    def _kill(self, fault: Fault, kind: Kind) -> str:
+        member = self.rng.choice(self.fleet.of(kind))
+        fault.target = member.name
+        self.fleet.kill(member)
+        self.wait(fault.seconds)
+        self.fleet.start(member)
+        return f"{member.name} killed, restarted after {fault.seconds:.1f} s"
+
+    def _terminate(self, fault: Fault, kind: Kind, query: str) -> str:
+        members: list[Member] = self.fleet.of(kind)
+        if self.rng.random() < 0.5:
+            members = [self.rng.choice(members)]
+        fault.target = ", ".join(member.name for member in members)
+        names = [member.application_name for member in members]
+        deadline = time.monotonic() + FIND_CONNECTIONS_SECONDS
+        with psycopg.connect(self.database_url, autocommit=True, connect_timeout=10) as conn:
+            while True:  # right after another fault the processes may still be reconnecting
+                found = conn.execute(self.queries.text(query), {"names": names}).fetchall()
+                if {row[1] for row in found} >= set(names) or time.monotonic() > deadline:
+                    break
+                self.wait(0.2)
+            pids = [row[0] for row in found]
+            if not pids:
+                return f"no connection of {fault.target} found"
+            row = conn.execute(self.queries.text("terminate"), {"pids": pids}).fetchone()
+        terminated = int(row[0]) if row else 0
+        extra = []
+        if query == "app_backends":
+            busy = sum(1 for row in found if row[2] not in ("idle", None))
+            extra.append(f"{busy} in a statement or transaction")
+        missing = [m.name for m in members if m.application_name not in {r[1] for r in found}]
+        if missing:
+            extra.append(f"none found of {', '.join(missing)}")
+        detail = f" ({'; '.join(extra)})" if extra else ""
+        return f"terminated {terminated} connections of {fault.target}{detail}"

@@ -1,0 +1,569 @@
+"""``pipeline doctor``: check a deployment for what silently loses, delays or stalls events.
+
+Each check gives a :class:`Finding`: ``ok``, ``info`` (a fact to know, e.g. how Redis
+persists) or ``problem`` (with its fix); any problem makes the command exit non-zero.
+What is checked, and how:
+
+* **schema**: migrations applied and none newer than this code; ``functions.sql`` as
+  shipped; every index declared in ``pipeline/db/tables.py`` present and valid; the
+  triggers and functions of ``functions.sql`` present and enabled.
+* **listen**: the relay LISTENs on ``PIPELINE_DATABASE_URL``. A NOTIFY sent on a second
+  connection must reach a LISTEN on a first within two seconds — behind a
+  transaction-pooling PgBouncer it does not (the LISTEN's server connection goes back
+  to the pool). A pooler is also recognised by the process id it reports at connection
+  time differing from the server's ``pg_backend_pid()`` (PgBouncer invents its own);
+  session pooling passes the round trip and is reported as info.
+* **notify queue**: ``pg_notification_queue_usage()`` above half full is a problem.
+* **settings**: inbox retention at least every known consumer's retry horizon, and the
+  lease at least ten times a full batch's estimated publish time (measured round trips
+  to Postgres and Redis plus the measured cost of encoding a batch); a stalled server is
+  not covered: it is bounded by the clients' timeouts, and a lease that expires only
+  publishes again, which the inbox absorbs.
+* **redis**: reachable; ``maxmemory-policy`` must be ``noeviction``; persistence
+  (``appendonly``, ``appendfsync``, ``save``) is stated with its consequence.
+* **clock**: this host's clock against the database's (queue messages carry the host's
+  time, the delivery ledger the database's; it allows one second).
+* **dead letters** waiting, and the **canary**'s last arrival.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Literal
+
+import psycopg
+import redis
+from psycopg import sql
+from sqlalchemy import MetaData
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.schema import CreateIndex
+
+from pipeline.config import Settings, redact_url
+from pipeline.db.connect import connect, describe_server, driver_reason
+from pipeline.db.migrate import (
+    FUNCTIONS_VERSION,
+    available_migrations,
+    functions_checksum,
+)
+from pipeline.db.queries import queries_for
+from pipeline.db.tables import metadata
+from pipeline.envelope import OutboxEvent, encode_envelope
+from pipeline.errors import ServiceUnavailableError
+from pipeline.registry import CANARY_CONSUMER
+from pipeline.tools.ops.state import redis_client
+
+Status = Literal["ok", "info", "problem"]
+
+LISTEN_TIMEOUT = 2.0
+NOTIFY_QUEUE_LIMIT = 0.5
+CLOCK_SKEW_LIMIT = 1.0
+LEASE_SAFETY = 10.0
+CANARY_MISSED = 3  # canary intervals without an arrival before it is a problem
+CANARY_MIN_AGE = 60.0  # ...and at least this many seconds
+
+
+@dataclass
+class Finding:
+    check: str
+    status: Status
+    summary: str
+    fix: str = ""
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def healthy(self) -> bool:
+        return not any(f.status == "problem" for f in self.findings)
+
+    def add(self, check: str, status: Status, summary: str, fix: str = "") -> None:
+        self.findings.append(Finding(check, status, summary, fix))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"healthy": self.healthy, "findings": [asdict(f) for f in self.findings]}
+
+
+def run_doctor(
+    settings: Settings,
+    retry_horizons: dict[str, float],
+    *,
+    clock: Callable[[], float] = time.time,
+) -> Report:
+    """Every check against the configured servers; ``retry_horizons`` per known consumer."""
+    report = Report()
+    pg_rtt = None
+    try:
+        # No server-side prepared statements: they break behind a transaction pooler.
+        with connect(settings, autocommit=True, prepare_threshold=None) as conn:
+            conn.execute("SET statement_timeout = '10s'")
+            pg_rtt = _round_trip(lambda: conn.execute("SELECT 1").fetchone())
+            if _check_schema(conn, settings.schema_name, report):
+                _check_dead_letters(conn, settings.schema_name, report)
+                _check_canary(conn, settings, report)
+            _check_server(conn, settings, report, clock)
+    except ServiceUnavailableError as exc:
+        report.add("postgres", "problem", str(exc), "start Postgres or fix PIPELINE_DATABASE_URL")
+    except psycopg.Error as exc:
+        url = settings.require_database_url()
+        report.add(
+            "postgres",
+            "problem",
+            f"a check failed at {describe_server(url)}: {type(exc).__name__}: "
+            f"{driver_reason(exc, url)}",
+            "see the checks above; rerun once Postgres answers",
+        )
+    else:
+        _check_listen(settings, report)
+    redis_rtt = _check_redis(settings, report)
+    _check_retention(settings, retry_horizons, report)
+    _check_lease(settings, len(retry_horizons), pg_rtt, redis_rtt, report)
+    return report
+
+
+# -- schema ----------------------------------------------------------------------------------
+def _check_schema(conn: psycopg.Connection[Any], schema: str, report: Report) -> bool:
+    """Migrations, indexes, triggers; False when the schema is not installed at all."""
+    queries = queries_for(schema)
+    try:
+        recorded = dict(conn.execute(queries["doctor_migrations"]).fetchall())
+    except psycopg.errors.UndefinedTable:
+        report.add(
+            "schema",
+            "problem",
+            f"the pipeline schema {schema!r} is not installed",
+            "run `pipeline db upgrade`",
+        )
+        return False
+    shipped = [m.version for m in available_migrations()]
+    pending = [v for v in shipped if v not in recorded]
+    newer = sorted(v for v in recorded if v > max(shipped))
+    current = max((v for v in recorded if v != FUNCTIONS_VERSION), default=0)
+    if newer:
+        report.add(
+            "schema",
+            "problem",
+            f"schema {schema!r} is at migration {newer[-1]}, newer than this code "
+            f"(latest {max(shipped)})",
+            "upgrade the pipeline package on this host",
+        )
+    elif pending:
+        report.add(
+            "schema",
+            "problem",
+            f"schema {schema!r} is at migration {current}; pending: {pending}",
+            "run `pipeline db upgrade`",
+        )
+    elif recorded.get(FUNCTIONS_VERSION) != functions_checksum(schema):
+        report.add(
+            "schema",
+            "problem",
+            "the schema's functions and triggers differ from this version's functions.sql",
+            "run `pipeline db upgrade`",
+        )
+    else:
+        report.add("schema", "ok", f"schema {schema!r} at migration {current}, up to date")
+    _check_indexes(conn, schema, report)
+    _check_triggers(conn, schema, report)
+    return True
+
+
+def _check_indexes(conn: psycopg.Connection[Any], schema: str, report: Report) -> None:
+    found = dict(conn.execute(queries_for(schema)["doctor_indexes"], {"schema_name": schema}))
+    declared = declared_indexes(schema)
+    missing = [name for name in declared if name not in found]
+    invalid = sorted(name for name, valid in found.items() if not valid)
+    for name in missing:
+        report.add(
+            "indexes",
+            "problem",
+            f"index {name} is missing",
+            declared[name] or f"restore the primary key of {name.removesuffix('_pkey')}",
+        )
+    for name in invalid:
+        report.add(
+            "indexes",
+            "problem",
+            f"index {name} is invalid (an interrupted CREATE INDEX CONCURRENTLY)",
+            f"DROP INDEX CONCURRENTLY {_qualified(schema, name)}; then create it again",
+        )
+    if not missing and not invalid:
+        report.add("indexes", "ok", f"all {len(declared)} declared indexes present and valid")
+
+
+@lru_cache(maxsize=8)
+def declared_indexes(schema: str) -> dict[str, str]:
+    """Index name -> the statement that creates it (empty for primary keys)."""
+    translated = MetaData()
+    statements: dict[str, str] = {}
+    for table in metadata.sorted_tables:
+        copy = table.to_metadata(translated, schema=schema)
+        if copy.primary_key.columns:
+            statements[str(copy.primary_key.name or f"{copy.name}_pkey")] = ""
+        for index in sorted(copy.indexes, key=lambda i: str(i.name)):
+            ddl = str(CreateIndex(index).compile(dialect=postgresql.dialect()))  # type: ignore[no-untyped-call]
+            statements[str(index.name)] = ddl.replace(
+                "CREATE INDEX", "CREATE INDEX CONCURRENTLY", 1
+            )
+    return statements
+
+
+def declared_triggers() -> dict[str, str]:
+    """Trigger name -> table, as ``functions.sql`` creates them."""
+    text = (resources.files("pipeline.db") / "functions.sql").read_text("utf-8")
+    return dict(re.findall(r"CREATE TRIGGER (\w+) .*?\bON (\w+)", text, re.DOTALL))
+
+
+def declared_functions() -> list[str]:
+    text = (resources.files("pipeline.db") / "functions.sql").read_text("utf-8")
+    return re.findall(r"CREATE OR REPLACE FUNCTION (\w+)", text)
+
+
+def _check_triggers(conn: psycopg.Connection[Any], schema: str, report: Report) -> None:
+    queries = queries_for(schema)
+    found = {
+        name: (table, enabled)
+        for name, table, enabled in conn.execute(
+            queries["doctor_triggers"], {"schema_name": schema}
+        )
+    }
+    functions = {
+        row[0] for row in conn.execute(queries["doctor_functions"], {"schema_name": schema})
+    }
+    table = _qualified(schema, "schema_migrations")
+    reapply = (
+        f"remove the functions' checksum row (version {FUNCTIONS_VERSION}) from {table}; then "
+        "`pipeline db upgrade` re-applies functions.sql"
+    )
+    problems = 0
+    for name, table in declared_triggers().items():
+        if name not in found or found[name][0] != table:
+            report.add("triggers", "problem", f"trigger {name} on {table} is missing", reapply)
+            problems += 1
+        elif not found[name][1]:
+            report.add(
+                "triggers",
+                "problem",
+                f"trigger {name} on {table} is disabled",
+                f"ALTER TABLE {_qualified(schema, table)} ENABLE TRIGGER {name}",
+            )
+            problems += 1
+    for name in declared_functions():
+        if name not in functions:
+            report.add("triggers", "problem", f"function {name} is missing", reapply)
+            problems += 1
+    if not problems:
+        report.add("triggers", "ok", "the outbox triggers and functions are present and enabled")
+
+
+def _qualified(schema: str, name: str) -> str:
+    return sql.Identifier(schema, name).as_string()
+
+
+# -- database state --------------------------------------------------------------------------
+def _check_dead_letters(conn: psycopg.Connection[Any], schema: str, report: Report) -> None:
+    counts = dict(conn.execute(queries_for(schema)["doctor_dead_letters"]).fetchall())
+    total = sum(counts.values())
+    if total:
+        stages = ", ".join(f"{n} at {stage}" for stage, n in sorted(counts.items()))
+        report.add(
+            "dead_letters",
+            "problem",
+            f"{total} dead letters waiting ({stages})",
+            "inspect them with `pipeline dlq list` and `pipeline dlq show ID`, fix the cause, "
+            "then `pipeline dlq replay --dry-run` and `pipeline dlq replay`",
+        )
+    else:
+        report.add("dead_letters", "ok", "no dead letters waiting")
+
+
+def _check_canary(conn: psycopg.Connection[Any], settings: Settings, report: Report) -> None:
+    interval = settings.canary_interval
+    if not interval:
+        report.add(
+            "canary",
+            "info",
+            "the end-to-end canary is off (PIPELINE_CANARY_INTERVAL=0)",
+            "set PIPELINE_CANARY_INTERVAL (default 15) to detect a stalled pipeline",
+        )
+        return
+    row = conn.execute(
+        queries_for(settings.schema_name)["doctor_canary"], {"consumer": CANARY_CONSUMER}
+    ).fetchone()
+    age = row[0] if row else None
+    allowed = max(CANARY_MISSED * interval, CANARY_MIN_AGE)
+    fix = (
+        "check that a relay and a worker are running (`pipeline status`), and that the "
+        "workers consume the pipeline.pipeline_canary queue"
+    )
+    if age is None:
+        report.add("canary", "problem", "no canary event has ever completed the path", fix)
+    elif age > allowed:
+        report.add(
+            "canary",
+            "problem",
+            f"the last canary completed {age:.0f}s ago (over {allowed:.0f}s)",
+            fix,
+        )
+    else:
+        report.add("canary", "ok", f"the last canary completed {age:.1f}s ago")
+
+
+def _check_server(
+    conn: psycopg.Connection[Any], settings: Settings, report: Report, clock: Callable[[], float]
+) -> None:
+    queries = queries_for(settings.schema_name)
+    before = clock()
+    row = conn.execute(queries["doctor_server"]).fetchone()
+    after = clock()
+    assert row is not None
+    database_time, queue_usage, server_pid = row
+    skew = database_time - (before + after) / 2
+    if abs(skew) > CLOCK_SKEW_LIMIT + (after - before) / 2:
+        report.add(
+            "clock",
+            "problem",
+            f"this host's clock is {abs(skew):.1f}s {'behind' if skew > 0 else 'ahead of'} "
+            "the database's",
+            "synchronise clocks (NTP/chrony) on this host and the database server: the "
+            "delivery ledger allows one second between them",
+        )
+    else:
+        report.add("clock", "ok", f"clock skew to the database {skew * 1000:+.0f} ms")
+    if queue_usage > NOTIFY_QUEUE_LIMIT:
+        report.add(
+            "notify_queue",
+            "problem",
+            f"the notification queue is {queue_usage:.0%} full",
+            "a session LISTENs without reading (or holds a long transaction): find it in "
+            "pg_stat_activity and end it; a full queue makes every NOTIFY (every outbox "
+            "insert while relays are idle) fail",
+        )
+    else:
+        report.add("notify_queue", "ok", f"notification queue {queue_usage:.1%} full")
+    if conn.info.backend_pid != server_pid:
+        report.add(
+            "pooler",
+            "info",
+            f"a connection pooler sits between this host and Postgres at "
+            f"{describe_server(settings.require_database_url())} (it reports process "
+            f"{conn.info.backend_pid}, the server {server_pid})",
+            "the relay's LISTEN needs a direct or session-pooled connection",
+        )
+
+
+def _check_listen(settings: Settings, report: Report) -> None:
+    """A NOTIFY on one connection must reach a LISTEN on another (see the module docstring)."""
+    channel = f"pipeline_doctor_{uuid.uuid4().hex[:12]}"
+    where = describe_server(settings.require_database_url())
+    try:
+        with (
+            connect(settings, autocommit=True, prepare_threshold=None) as listener,
+            connect(settings, autocommit=True, prepare_threshold=None) as sender,
+        ):
+            listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            sender.execute("SELECT pg_notify(%s, 'doctor')", (channel,))
+            arrived = list(listener.notifies(timeout=LISTEN_TIMEOUT, stop_after=1))
+    except (psycopg.Error, ServiceUnavailableError) as exc:
+        report.add(
+            "listen",
+            "problem",
+            f"LISTEN/NOTIFY failed at {where}: {type(exc).__name__}",
+            "give the relay a direct (or session-pooled) PIPELINE_DATABASE_URL",
+        )
+        return
+    if not arrived:
+        report.add(
+            "listen",
+            "problem",
+            f"a NOTIFY did not reach a LISTEN within {LISTEN_TIMEOUT:.0f}s at {where}: the URL "
+            "goes through a transaction pooler (e.g. PgBouncer pool_mode=transaction)",
+            "point the relay's PIPELINE_DATABASE_URL at Postgres directly or at a "
+            "session-pooled PgBouncer database; producers and workers may keep the pooler",
+        )
+    else:
+        report.add("listen", "ok", f"LISTEN/NOTIFY works at {where}")
+
+
+# -- redis -----------------------------------------------------------------------------------
+def _check_redis(settings: Settings, report: Report) -> float | None:
+    """Reachability, eviction policy, persistence; returns the measured round trip."""
+    if settings.redis_url is None:
+        report.add("redis", "problem", "PIPELINE_REDIS_URL is not set", "set PIPELINE_REDIS_URL")
+        return None
+    url = redact_url(settings.require_redis_url())
+    client = redis_client(settings)
+    try:
+        rtt = _round_trip(client.ping)
+        try:
+            config = _redis_config(client)
+        except redis.ResponseError:  # CONFIG disabled (managed Redis, renamed command)
+            report.add(
+                "redis",
+                "info",
+                f"Redis at {url} answers but does not allow CONFIG GET",
+                "check in your provider's settings that maxmemory-policy is noeviction",
+            )
+            return rtt
+    except redis.RedisError as exc:
+        report.add(
+            "redis",
+            "problem",
+            f"cannot reach Redis at {url}: {type(exc).__name__}",
+            "start Redis or fix PIPELINE_REDIS_URL",
+        )
+        return None
+    finally:
+        client.close()
+    report.add("redis", "ok", f"Redis at {url} answers ({rtt * 1000:.1f} ms)")
+    policy = config.get("maxmemory-policy", "")
+    if policy != "noeviction":
+        report.add(
+            "redis_eviction",
+            "problem",
+            f"maxmemory-policy is {policy!r}: Redis may evict queued messages when full",
+            "CONFIG SET maxmemory-policy noeviction (and in redis.conf); evicted deliveries "
+            "are sent again by the ledger sweep only after PIPELINE_REDELIVERY_HORIZON_SECONDS",
+        )
+    else:
+        report.add("redis_eviction", "ok", "maxmemory-policy is noeviction")
+    report.add("redis_persistence", "info", _persistence(config, settings), "")
+    return rtt
+
+
+def _redis_config(client: redis.Redis) -> dict[str, str]:
+    config: dict[str, str] = {}
+    for name in ("maxmemory-policy", "appendonly", "appendfsync", "save"):
+        for key, value in client.config_get(name).items():
+            config[_text(key)] = _text(value)
+    return config
+
+
+def _persistence(config: dict[str, str], settings: Settings) -> str:
+    horizon = settings.redelivery_horizon_seconds
+    aof = config.get("appendonly") == "yes"
+    snapshots = config.get("save", "").strip()
+    if aof:
+        kept = (
+            f"appendonly yes, appendfsync {config.get('appendfsync', '?')}: a crash loses "
+            "at most the last second of queued messages (everysec; none with always)"
+        )
+    elif snapshots:
+        kept = (
+            f"RDB snapshots only (save {snapshots!r}): a crash loses what was queued since "
+            "the last snapshot"
+        )
+    else:
+        kept = "no persistence: a restart loses every queued message"
+    return (
+        f"{kept}. Lost deliveries are not lost events: the delivery ledger sends them again "
+        f"after the redelivery horizon ({horizon:.0f}s), so a Redis that forgets only delays them"
+    )
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# -- settings --------------------------------------------------------------------------------
+def _check_retention(settings: Settings, horizons: dict[str, float], report: Report) -> None:
+    backoff = max(settings.consumer_backoff_min, settings.consumer_backoff_max)
+    default = settings.consumer_max_retries * backoff + settings.redelivery_horizon_seconds
+    known = {"(consumers using the default retries)": default, **horizons}
+    name, longest = max(known.items(), key=lambda item: item[1])
+    retention = settings.inbox_retention_seconds
+    if retention < longest:
+        report.add(
+            "inbox_retention",
+            "problem",
+            f"PIPELINE_INBOX_RETENTION_SECONDS={retention} is shorter than the retry horizon "
+            f"of {name} ({longest:.0f}s): a late copy of an event could be processed twice",
+            f"set PIPELINE_INBOX_RETENTION_SECONDS to at least {longest:.0f} "
+            "(relays and workers refuse to start until then)",
+        )
+    else:
+        report.add(
+            "inbox_retention",
+            "ok",
+            f"inbox retention {retention}s covers the longest retry horizon ({longest:.0f}s)",
+        )
+
+
+def _check_lease(
+    settings: Settings,
+    consumers: int,
+    pg_rtt: float | None,
+    redis_rtt: float | None,
+    report: Report,
+) -> None:
+    if pg_rtt is None or redis_rtt is None:
+        return  # the unreachable server is already a problem
+    estimate = 2 * pg_rtt + redis_rtt + settings.batch_size * max(consumers, 1) * _encode_cost()
+    needed = LEASE_SAFETY * estimate
+    if settings.lease_seconds < needed:
+        report.add(
+            "lease",
+            "problem",
+            f"PIPELINE_LEASE_SECONDS={settings.lease_seconds:g} is under {LEASE_SAFETY:g}x a "
+            f"full batch's estimated publish time ({estimate * 1000:.1f} ms): leases may "
+            "expire mid-publish and another relay publish the same events again",
+            f"raise PIPELINE_LEASE_SECONDS to at least {needed:.1f} (default 30), or lower "
+            "PIPELINE_BATCH_SIZE",
+        )
+    else:
+        report.add(
+            "lease",
+            "ok",
+            f"lease {settings.lease_seconds:g}s; a full batch of {settings.batch_size} is "
+            f"estimated at {estimate * 1000:.1f} ms",
+        )
+
+
+def _encode_cost(samples: int = 200) -> float:
+    """Seconds to encode one envelope of a 1 KiB payload, measured here."""
+    event = OutboxEvent(
+        id=uuid.uuid4(),
+        seq=1,
+        aggregate_type="order",
+        aggregate_id="1",
+        ordering_key="order:1",
+        event_type="doctor.sample",
+        event_version=1,
+        payload_json='{"data":"' + "x" * 1024 + '"}',
+        headers_json="{}",
+        attempts=1,
+        created_at=datetime.now(UTC),
+    )
+    started = time.perf_counter()
+    for _ in range(samples):
+        encode_envelope(event, "/pipeline/doctor")
+    return (time.perf_counter() - started) / samples
+
+
+def _round_trip(call: Callable[[], object], samples: int = 5) -> float:
+    times = []
+    for _ in range(samples):
+        started = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def format_report(report: Report) -> str:
+    """The human-readable report: one line per finding, its fix indented below."""
+    marks = {"ok": "ok     ", "info": "info   ", "problem": "PROBLEM"}
+    lines = [f"pipeline doctor: {'healthy' if report.healthy else 'PROBLEMS FOUND'}"]
+    for finding in report.findings:
+        lines.append(f"  {marks[finding.status]} {finding.check}: {finding.summary}")
+        if finding.fix and finding.status != "ok":
+            lines.append(f"          fix: {finding.fix}")
+    return "\n".join(lines)

@@ -1,0 +1,160 @@
+"""``pipeline status``: one read of the pipeline's state, judged against thresholds.
+
+Healthy means: no dead letters (publish or consume stage, not yet replayed), nothing
+in Dramatiq's dead-letter sets, the oldest unsent event younger than the threshold, and
+no delivery owed to a consumer past the redelivery horizon (an event sent, but with no
+outcome for one of its consumers: Redis lost it, or no worker runs that consumer).
+Relays are listed, not judged: an idle relay refreshes its heartbeat only
+when its busy flag changes, so heartbeat age is informational.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pipeline.config import Settings
+from pipeline.db.connect import connect
+from pipeline.driver_errors import wrap_driver_errors
+from pipeline.tools.ops.activity import ConsumerActivity, format_activity, read_activity
+from pipeline.tools.ops.state import (
+    QueueDepth,
+    RelayInfo,
+    discover_queues,
+    read_database_state,
+    read_queue_depths,
+    read_relays,
+    redis_client,
+)
+
+
+@dataclass
+class Thresholds:
+    max_pending_age_seconds: float = 300.0
+    max_dead_letters: int = 0
+
+
+@dataclass
+class Status:
+    healthy: bool
+    problems: list[str]
+    backlog: dict[str, int]
+    oldest_pending_age_seconds: float
+    dead_letters: dict[str, int]
+    relays: list[RelayInfo]
+    queues: dict[str, QueueDepth] | None = field(default=None)
+    owed: dict[str, int] = field(default_factory=dict)
+    keys_held: dict[str, int] = field(default_factory=dict)
+    interval_seconds: float = 300.0
+    consumers: dict[str, ConsumerActivity] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["oldest_pending_age_seconds"] = round(self.oldest_pending_age_seconds, 3)
+        data["consumers"] = {name: a.as_json() for name, a in self.consumers.items()}
+        for relay in data["relays"]:
+            relay["heartbeat_age_seconds"] = round(relay["heartbeat_age_seconds"], 3)
+        return data
+
+
+def read_status(
+    settings: Settings,
+    queues: list[str],
+    thresholds: Thresholds,
+    *,
+    interval: float = 300.0,
+    consumers: list[str] | None = None,
+) -> Status:
+    """Read Postgres (and Redis, when configured) once; raises PipelineError subclasses.
+
+    Per-consumer activity covers the last ``interval`` seconds (``consumers`` are listed
+    even when idle).
+    """
+    with wrap_driver_errors(settings), connect(settings, autocommit=True) as conn:
+        conn.execute("SET statement_timeout = '10s'")
+        database = read_database_state(
+            conn, settings.schema_name, settings.redelivery_horizon_seconds
+        )
+        relays = read_relays(conn, settings.schema_name)
+        activity = read_activity(conn, settings.schema_name, interval, consumers or ())
+    depths: dict[str, QueueDepth] | None = None
+    if settings.redis_url is not None:
+        client = redis_client(settings)
+        try:
+            with wrap_driver_errors(settings):
+                known = set(queues) | discover_queues(client, settings.redis_namespace)
+                depths = read_queue_depths(client, settings.redis_namespace, known)
+        finally:
+            client.close()
+    problems: list[str] = []
+    dead_total = sum(database.dead_letters.values())
+    if dead_total > thresholds.max_dead_letters:
+        stages = ", ".join(f"{n} at {s}" for s, n in database.dead_letters.items() if n)
+        problems.append(
+            f"{dead_total} dead letters ({stages}): list them with `pipeline dlq list --waiting`;"
+            " `pipeline dlq replay --dry-run` shows what a replay would do"
+        )
+    if database.oldest_pending_age_seconds > thresholds.max_pending_age_seconds:
+        problems.append(
+            f"oldest unsent event is {database.oldest_pending_age_seconds:.0f}s old "
+            f"(threshold {thresholds.max_pending_age_seconds:.0f}s)"
+        )
+    horizon = settings.redelivery_horizon_seconds
+    for consumer, owed in sorted(database.owed.items()):
+        if owed:
+            held = database.keys_held.get(consumer, 0)
+            problems.append(
+                f"{owed} deliveries to {consumer} have no outcome after {horizon:.0f}s"
+                + (f", holding back {held} ordering keys" if held else "")
+                + ": the relay's ledger sweep sends them again; if this persists, check that "
+                "workers run this consumer"
+            )
+    for name, depth in sorted((depths or {}).items()):
+        if depth.dead:
+            problems.append(f"{depth.dead} messages in Dramatiq's dead-letter set of {name}")
+    return Status(
+        healthy=not problems,
+        problems=problems,
+        backlog=database.backlog,
+        oldest_pending_age_seconds=database.oldest_pending_age_seconds,
+        dead_letters=database.dead_letters,
+        relays=relays,
+        queues=depths,
+        owed={consumer: n for consumer, n in database.owed.items() if n},
+        keys_held={consumer: n for consumer, n in database.keys_held.items() if n},
+        interval_seconds=interval,
+        consumers=activity,
+    )
+
+
+def format_status(status: Status) -> str:
+    """The human-readable report."""
+    lines = [f"pipeline: {'healthy' if status.healthy else 'UNHEALTHY'}"]
+    lines += [f"  problem: {problem}" for problem in status.problems]
+    backlog = ", ".join(f"{k} {v}" for k, v in status.backlog.items())
+    lines.append(f"outbox backlog: {backlog}")
+    lines.append(f"oldest unsent event: {status.oldest_pending_age_seconds:.1f}s")
+    dead = ", ".join(f"{k} {v}" for k, v in status.dead_letters.items())
+    lines.append(f"dead letters: {dead}")
+    owed = ", ".join(f"{k} {v}" for k, v in sorted(status.owed.items())) or "none"
+    lines.append(f"deliveries owed past the horizon: {owed}")
+    lines += format_activity(status.consumers, status.interval_seconds)
+    if status.relays:
+        lines.append("relays:")
+        for relay in status.relays:
+            state = "busy" if relay.busy else "idle"
+            lines.append(
+                f"  {relay.relay_id} ({relay.host} pid {relay.pid}): {state}, "
+                f"heartbeat {relay.heartbeat_age_seconds:.1f}s ago"
+            )
+    else:
+        lines.append("relays: none running")
+    if status.queues is None:
+        lines.append("queues: PIPELINE_REDIS_URL not set")
+    elif status.queues:
+        lines.append("queues (messages ready / delayed / dead):")
+        for name, depth in sorted(status.queues.items()):
+            lines.append(f"  {name}: {depth.ready} / {depth.delayed} / {depth.dead}")
+    else:
+        lines.append("queues: none known")
+    return "\n".join(lines)
