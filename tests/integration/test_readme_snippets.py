@@ -81,7 +81,6 @@ def run_script(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[dict[str
 def test_quickstart_snippets_run_as_written(
     readme_env: None,
     shop_package: Path,
-    database_url: str,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     produce, consume = quickstart_python()
@@ -110,8 +109,7 @@ def _produce(script: Path, check: Engine, capsys: pytest.CaptureFixture[str]) ->
         orders = conn.execute(text("SELECT id, total_cents, paid FROM orders")).all()
         events = conn.execute(
             text(
-                "SELECT id, event_type, aggregate_type, aggregate_id, payload"
-                " FROM pipeline.outbox"
+                "SELECT id, event_type, aggregate_type, aggregate_id, payload FROM pipeline.outbox"
             )
         ).all()
     assert [tuple(row) for row in orders] == [("o-1", 4200, False)]
@@ -135,7 +133,7 @@ def _consume(code: str, package: Path, check: Engine, event_id: uuid.UUID) -> No
         subscription = registry.get(CONSUMER)
         assert subscription.accepts("order.placed")
         assert not subscription.accepts("payment.charged")
-        module = sys.modules["shop.consumers"]
+        module: Any = sys.modules["shop.consumers"]
         module.http.close()
         module.http = httpx.Client(transport=httpx.MockTransport(payments))
         worker = dramatiq.Worker(runtime.broker, queues={subscription.queue}, worker_threads=1)
