@@ -24,8 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,6 +31,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parent.parent
 Figures = Callable[[dict[str, Any]], dict[str, float]]
@@ -73,12 +73,6 @@ def end_to_end_figures(report: dict[str, Any]) -> dict[str, float]:
 BENCHMARKS: dict[str, Figures] = {"relay": relay_figures, "end_to_end": end_to_end_figures}
 
 
-def bootstrap_interval(values: Sequence[float], draws: int = 5000) -> tuple[float, float]:
-    rng = random.Random(20261124)
-    means = sorted(statistics.fmean(rng.choice(values) for _ in values) for _ in range(draws))
-    return means[int(draws * 0.025)], means[int(draws * 0.975) - 1]
-
-
 def run_once(tree: Path, benchmark: str, args: Sequence[str], output: Path) -> dict[str, Any]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     command = [sys.executable, "-m", f"benchmarks.{benchmark}", *args, "--output", str(output)]
@@ -95,24 +89,27 @@ def git_head(tree: Path) -> str:
 
 
 def summarise(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
+    """Per figure: each side's values and the after/before ratios over the rounds."""
     names = sorted(set.intersection(*(set(r["before"]) & set(r["after"]) for r in rounds)))
     summary: dict[str, Any] = {}
     for name in names:
         ratios = [r["after"][name] / r["before"][name] for r in rounds if r["before"][name]]
-        if not ratios:
-            continue
-        low, high = bootstrap_interval(ratios) if len(ratios) > 1 else (ratios[0], ratios[0])
-        summary[name] = {
-            "before": [r["before"][name] for r in rounds],
-            "after": [r["after"][name] for r in rounds],
-            "ratio_after_over_before": [round(x, 4) for x in ratios],
-            "median": round(statistics.median(ratios), 4),
-            "mean": round(statistics.fmean(ratios), 4),
-            "min": round(min(ratios), 4),
-            "max": round(max(ratios), 4),
-            "mean_95_interval": [round(low, 4), round(high, 4)],
-        }
+        if ratios:
+            summary[name] = {
+                "before": [r["before"][name] for r in rounds],
+                "after": [r["after"][name] for r in rounds],
+                "after_over_before": harness.ratios(ratios),
+            }
     return summary
+
+
+def show(summary: dict[str, Any]) -> None:
+    for name, figure in summary.items():
+        ratio = figure["after_over_before"]
+        print(
+            f"{name}: after/before median {ratio['median']} mean {ratio['mean']} "
+            f"95% {ratio['ci95_of_mean']} range [{ratio['min']}, {ratio['max']}]"
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,13 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "loadavg_at_end": os.getloadavg(),
         "summary": summarise(rounds),
     }
-    options.output.parent.mkdir(parents=True, exist_ok=True)
-    options.output.write_text(json.dumps(result, indent=2) + "\n")
-    for name, figure in result["summary"].items():
-        print(
-            f"{name}: after/before median {figure['median']} mean {figure['mean']} "
-            f"95% {figure['mean_95_interval']} range [{figure['min']}, {figure['max']}]"
-        )
+    harness.write_report(options.output, result)
+    show(result["summary"])
     return 0
 
 
@@ -185,8 +177,7 @@ def summarise_dir(options: argparse.Namespace) -> int:
     previous["summary"] = summary
     previous["summarised_from"] = str(options.from_dir)
     options.output.write_text(json.dumps(previous, indent=2) + "\n")
-    for name, figure in summary.items():
-        print(f"{name}: median {figure['median']} 95% {figure['mean_95_interval']}")
+    show(summary)
     return 0
 
 

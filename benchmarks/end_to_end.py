@@ -1,119 +1,76 @@
 """End to end: producer commit → handler done, through relay, Redis and Dramatiq workers.
 
-Everything runs on this machine: a durable Postgres (fsync on) and a Redis started by
-the script (unless URLs are given), one ``pipeline relay`` process and one
-``pipeline worker`` process (2 worker processes x 8 threads by default) whose consumer
-``e2e`` does one trivial INSERT per event (``benchmarks/e2e_app.py``). Producers use the
-real API (``add_event`` in a SQLAlchemy session), one event per transaction unless
-``--events-per-transaction`` says more (then ``add_events``).
+``python -m benchmarks.end_to_end``. Everything runs on this machine: a durable Postgres
+(fsync on) and a Redis started here (unless URLs are given), one ``pipeline relay`` and
+one ``pipeline worker`` (2 processes x 8 threads by default) whose consumer ``e2e``
+makes one INSERT per event (``benchmarks/e2e_app.py``), and producer threads in a
+spawned process (traced as the pipeline's own processes are) calling ``add_event`` on a
+Core connection, one event per transaction (``--events-per-transaction N``:
+``add_events``; ``--api session``: an ORM ``Session`` for producers and handler).
+Strategies (``--only``):
 
-* ``latency``: open-loop producers offer a fixed rate (500 and 1,000 events/s by default)
-  for ``--duration`` seconds; latency = handler done (``time.time()`` in the handler) -
-  the producer's commit returning (``time.time()`` after ``commit()``); one machine, one
-  clock. A rate counts as sustained when every event is processed within 2 s of the last
-  commit.
+* ``latency``: open-loop producers offer each of ``--rates`` for ``--duration`` seconds;
+  latency = handler start - the producer's commit returning (one machine, one clock).
+  A rate counts as sustained when every event is handled within 2 s of the last commit.
+  Also the median time of each hop (commit → sent → inbox claim → done).
 * ``throughput``: closed-loop producers commit as fast as they can for ``--duration``
-  seconds; throughput = events processed per second in the window.
+  seconds; sustained throughput = every event handled / (last handled - start).
+* ``retention``: ``throughput`` on empty tables against ``--retained-rows`` sent outbox
+  events and processed inbox rows within their retention, the janitor passing every
+  ``--prune-interval`` seconds (the steady state once it has caught up).
+* ``profile``: ``throughput`` (as shipped, one event per transaction) under
+  ``py-spy record --subprocesses --gil``; every sample of the producers, the relay and
+  the workers is sorted into a stage by the frames on its stack. Sampling slows the run:
+  read the shares, not the rate. Needs ``pip install py-spy``.
 
-Usage: ``python benchmarks/end_to_end.py [--rates 500,1000] [--duration 10]
-[--producers 8] [--output benchmarks/results/end_to_end.json]``
+``latency`` and ``throughput`` run once per ``--observability`` mode (``default``: as
+shipped; ``off``: no tracing, no ``/metrics``; ``on``: every span exported over OTLP;
+``sampled``: the same, head-sampled at ``--sample-ratio``; ``tracing`` or ``metrics``
+alone), in ``--rounds`` rounds whose order rotates; with ``off`` among the modes the
+report's ``summary`` gives each other mode's throughput and CPU per event as ratios to
+the ``off`` run of the same round (median, mean, bootstrap 95 % interval). Every
+measurement starts from empty tables and records the machine's CPU per event, split by
+component, and a speed probe.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import multiprocessing
 import os
 import resource
-import shlex
-import signal
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import psycopg
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
-from benchmarks import producer_cost as pc
+from benchmarks import harness
 from benchmarks.e2e_app import API_VARIABLE
-from benchmarks.producer_cost import _machine, _ms, _percentile
 from pipeline.config import Settings, configure
 from pipeline.db.migrate import upgrade
 from pipeline.outbox import NewEvent, add_event, add_events
-from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis, free_port
+from pipeline.tools.harness.embedded import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
 EVENT_TYPE = "bench.e2e"
 PRODUCER_APPLICATION = "pipeline-bench-producer"
 WARM_UP_SECONDS = 6.0
+TABLES = "bench_e2e, pipeline.outbox, pipeline.inbox, pipeline.attempts, pipeline.dead_letters"
 
 
-@contextmanager
-def servers(database_url: str | None, redis_url: str | None) -> Iterator[tuple[str, str]]:
-    started: list[Any] = []
-    try:
-        if database_url is None:
-            postgres = EmbeddedPostgres(durable=True)
-            postgres.start()
-            started.append(postgres)
-            database_url = postgres.url
-        if redis_url is None:
-            redis_server = EmbeddedRedis()
-            redis_server.start()
-            started.append(redis_server)
-            redis_url = redis_server.url
-        yield database_url, redis_url
-    finally:
-        for server in reversed(started):
-            server.cleanup()
-
-
-def durability(url: str) -> dict[str, str]:
-    names = ("server_version", "fsync", "synchronous_commit", "full_page_writes", "wal_level")
-    with psycopg.connect(url) as conn:
-        rows = {name: conn.execute(f"SHOW {name}").fetchone() for name in names}
-    return {name: str(row[0]) if row else "" for name, row in rows.items()}
-
-
-def _log(directory: Path, name: str) -> Any:
-    directory.mkdir(parents=True, exist_ok=True)
-    return (directory / f"{name}.log").open("wb")
-
-
-class OtlpSink(ThreadingHTTPServer):
-    """A local OTLP/HTTP endpoint that accepts and discards spans (a collector stand-in)."""
-
-    def __init__(self) -> None:
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, format: str, *args: Any) -> None:
-                return
-
-        super().__init__(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-def observability_env(mode: str, sink: OtlpSink, sample_ratio: float = 0.1) -> dict[str, str]:
+def observability_env(
+    mode: str, sink: harness.OtlpSink, sample_ratio: float = 0.1
+) -> dict[str, str]:
     """The environment of one observability mode.
 
     ``on``: every span exported over OTLP/HTTP (producers too) and both /metrics endpoints
@@ -150,53 +107,6 @@ def base_environment() -> dict[str, str]:
         for name, value in os.environ.items()
         if not name.startswith("OTEL_") or name.startswith("OTEL_BSP_")
     }
-
-
-class Pipeline:
-    """A relay and a worker process for the benchmark consumer."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        processes: int,
-        threads: int,
-        logs: Path,
-        extra_env: dict[str, str],
-    ) -> None:
-        env = base_environment()
-        env.update(
-            PIPELINE_DATABASE_URL=settings.require_database_url(),
-            PIPELINE_REDIS_URL=settings.require_redis_url(),
-            PIPELINE_APP_MODULES="benchmarks.e2e_app",
-            PYTHONPATH=str(ROOT),
-            PIPELINE_LOG_LEVEL="WARNING",
-            PIPELINE_CANARY_INTERVAL="0",
-        )
-        env.update(extra_env)
-        commands = {
-            "relay": ["relay"],
-            "worker": ["worker", "--processes", str(processes), "--threads", str(threads)],
-        }
-        self.processes = [
-            subprocess.Popen(
-                [sys.executable, "-m", "pipeline.tools.cli", *command],
-                env=env,
-                stdout=_log(logs, name),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            for name, command in commands.items()
-        ]
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
 
 
 @contextmanager
@@ -294,19 +204,14 @@ def wait_processed(engine: Any, ids: Sequence[uuid.UUID], timeout: float) -> dic
     return {r[0]: r[1] for r in rows if r[0] in wanted}
 
 
-def reset_tables(engine: Any) -> None:
+def reset_tables(engine: Any, tables: str = TABLES) -> None:
     """Start each measurement from empty tables (the pipeline is idle between them).
 
     Without this every mode ran on the tables its predecessors filled, so later modes
     paid for bigger tables and indexes: a bias against whatever ran second.
     """
     with engine.begin() as conn:
-        conn.execute(
-            text(
-                "TRUNCATE bench_e2e, pipeline.outbox, pipeline.inbox, pipeline.attempts,"
-                " pipeline.dead_letters"
-            )
-        )
+        conn.execute(text(f"TRUNCATE {tables}"))
 
 
 def _producer_child(
@@ -346,7 +251,7 @@ def backend_cpu_seconds(engine: Any, application_name: str) -> float:
             text("SELECT pid FROM pg_stat_activity WHERE application_name = :name"),
             {"name": application_name},
         ).scalars()
-        ticks = sum(pc._processes().get(pid, ("", 0, 0))[2] for pid in pids)
+        ticks = sum(harness.processes().get(pid, ("", 0, 0))[2] for pid in pids)
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
@@ -370,16 +275,16 @@ def run_producers(
 
 
 def cpu_by_component(
-    before: pc.CpuSample,
-    after: pc.CpuSample,
-    pipeline: Pipeline,
+    before: harness.CpuSample,
+    after: harness.CpuSample,
+    pipeline: harness.Children,
     producer_cpu: tuple[float, float],
     events: int,
 ) -> dict[str, float]:
     """CPU milliseconds per processed event, by component (where tracing's cost lands)."""
     hz = os.sysconf("SC_CLK_TCK")
-    relay, workers = pipeline.processes
-    roots = {relay.pid: "relay", workers.pid: "workers", os.getpid(): "benchmark (OTLP sink)"}
+    roots = {process.pid: name for name, process in pipeline.processes.items()}
+    roots[os.getpid()] = "benchmark (OTLP sink)"
 
     def component(pid: int) -> str:
         for _ in range(20):
@@ -435,7 +340,7 @@ def phases(
         hops["commit_to_sent"].append(sent - commit)
         hops["commit_to_claimed"].append(claimed - commit)
         hops["claimed_to_done"].append(done[key] - claimed)
-    return {name: _ms(_percentile(values, 0.50)) for name, values in hops.items()}
+    return {name: harness.ms(harness.percentile(values, 0.50)) for name, values in hops.items()}
 
 
 def measure_rate(
@@ -445,13 +350,13 @@ def measure_rate(
     rate: float,
     duration: float,
     producers: int,
-    pipeline: Pipeline,
+    pipeline: harness.Children,
     per_transaction: int = 1,
 ) -> dict[str, Any]:
     """Open loop at ``rate``; also CPU per event, which at a fixed rate does not feed back
     into batch sizes as a closed loop does (so it compares observability modes best)."""
     reset_tables(engine)
-    probe = speed_probe_ms()
+    probe = harness.speed_probe_ms()
     cpu = CpuWindow()
     committed, producer_cpu = run_producers(
         env, url, "open", rate, duration, producers, per_transaction=per_transaction
@@ -470,51 +375,25 @@ def measure_rate(
         "events": len(committed),
         "processed": len(done),
         "sustained": len(done) == len(committed) and max(lagging, default=0) < 2.0,
-        "latency_ms": {
-            "p50": _ms(_percentile(latencies, 0.50)),
-            "p90": _ms(_percentile(latencies, 0.90)),
-            "p99": _ms(_percentile(latencies, 0.99)),
-            "max": _ms(max(latencies, default=None) if latencies else None),
-        },
+        "latency_ms": harness.latency_ms(latencies),
     }
-
-
-def speed_probe_ms() -> float:
-    """Milliseconds for a fixed pure-Python loop, taken before each measurement.
-
-    This machine's speed drifts by tens of percent within an hour (shared host); runs are
-    comparable only when their probes are close.
-    """
-    started = time.perf_counter()
-    total = 0
-    for n in range(2_000_000):
-        total += n
-    return round((time.perf_counter() - started) * 1000, 1)
-
-
-def machine_busy_seconds() -> float:
-    """CPU time all processes on this machine spent busy so far (``/proc/stat``)."""
-    with open("/proc/stat") as stat:
-        fields = [int(v) for v in stat.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 class CpuWindow:
     """The machine's CPU from creation to :meth:`per_event`, per processed event."""
 
     def __init__(self) -> None:
-        self.busy = machine_busy_seconds()
-        self.sample = pc._sample()
+        self.busy = harness.machine_busy_seconds()
+        self.sample = harness.sample()
 
     def per_event(
-        self, pipeline: Pipeline, producer_cpu: tuple[float, float], events: int
+        self, pipeline: harness.Children, producer_cpu: tuple[float, float], events: int
     ) -> dict[str, Any]:
-        busy = machine_busy_seconds() - self.busy
+        busy = harness.machine_busy_seconds() - self.busy
         return {
             "machine_cpu_ms_per_event": round(busy * 1000 / max(events, 1), 3),
             "cpu_ms_per_event_by_component": cpu_by_component(
-                self.sample, pc._sample(), pipeline, producer_cpu, events
+                self.sample, harness.sample(), pipeline, producer_cpu, events
             ),
         }
 
@@ -525,12 +404,16 @@ def measure_throughput(
     engine: Any,
     duration: float,
     producers: int,
-    pipeline: Pipeline,
+    pipeline: harness.Children,
     per_transaction: int = 1,
+    keep_tables: bool = False,
 ) -> dict[str, Any]:
-    """Closed loop; also the machine's CPU per event (stabler than rates on 2 busy cores)."""
-    reset_tables(engine)
-    probe = speed_probe_ms()
+    """Closed loop; also the machine's CPU per event (stabler than rates on 2 busy cores).
+
+    ``keep_tables``: leave the pipeline's tables as they are (``retention``).
+    """
+    reset_tables(engine, "bench_e2e" if keep_tables else TABLES)
+    probe = harness.speed_probe_ms()
     cpu = CpuWindow()
     started = time.time()
     committed, producer_cpu = run_producers(
@@ -555,9 +438,314 @@ def measure_throughput(
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="500,1000")
+# -- the pipeline under test --------------------------------------------------------------
+
+
+def start_pipeline(
+    settings: Settings, args: argparse.Namespace, logs: Path, extra_env: dict[str, str]
+) -> harness.Children:
+    """A ``pipeline relay`` and a ``pipeline worker`` process for the benchmark consumer."""
+    env = base_environment()
+    env.update(
+        PIPELINE_DATABASE_URL=settings.require_database_url(),
+        PIPELINE_REDIS_URL=settings.require_redis_url(),
+        PIPELINE_APP_MODULES="benchmarks.e2e_app",
+        PYTHONPATH=str(harness.ROOT),
+        PIPELINE_LOG_LEVEL="WARNING",
+        PIPELINE_CANARY_INTERVAL="0",
+    )
+    env.update(extra_env)
+    cli = [sys.executable, "-m", "pipeline.tools.cli"]
+    workers = ["--processes", str(args.worker_processes), "--threads", str(args.worker_threads)]
+    return harness.Children(
+        {"relay": [*cli, "relay"], "workers": [*cli, "worker", *workers]}, logs, env
+    )
+
+
+@contextmanager
+def running_pipeline(
+    settings: Settings, args: argparse.Namespace, engine: Any, logs: Path, env: dict[str, str]
+) -> Iterator[harness.Children]:
+    """The pipeline started and warmed up: long enough for every process's first span
+    export (the batch processor exports after 5 s), a one-off cost that is not steady state.
+    """
+    pipeline = start_pipeline(settings, args, logs, env)
+    try:
+        reset_tables(engine, "bench_e2e")
+        warm = open_loop(engine, 200, WARM_UP_SECONDS, 2)
+        if len(wait_processed(engine, list(warm), timeout=120)) != len(warm):
+            raise SystemExit(f"warm-up events were not processed; see {logs}")
+        yield pipeline
+    finally:
+        pipeline.stop()
+
+
+# -- strategies ---------------------------------------------------------------------------
+
+
+def observability_runs(
+    args: argparse.Namespace, settings: Settings, engine: Any, logs: Path
+) -> dict[str, Any]:
+    """``latency`` and ``throughput`` per observability mode, the order rotating by round."""
+    url = settings.require_database_url()
+    sink = harness.OtlpSink()
+    modes = args.observability.split(",")
+    results: dict[str, Any] = {}
+    by_round: list[dict[str, dict[str, Any]]] = []
+    for round_index in range(args.rounds):
+        this_round: dict[str, dict[str, Any]] = {}
+        for mode in harness.rotated(modes, round_index):
+            env = observability_env(mode, sink, args.sample_ratio)
+            runs: dict[str, Any] = {}
+            with running_pipeline(settings, args, engine, logs / f"{mode}-{round_index}", env) as p:
+                if "latency" in args.only:
+                    runs["latency"] = [
+                        measure_rate(
+                            env,
+                            url,
+                            engine,
+                            float(rate),
+                            args.duration,
+                            args.producers,
+                            p,
+                            args.events_per_transaction,
+                        )
+                        for rate in args.rates.split(",")
+                    ]
+                if "throughput" in args.only:
+                    runs["throughput"] = measure_throughput(
+                        env,
+                        url,
+                        engine,
+                        args.duration,
+                        args.producers,
+                        p,
+                        args.events_per_transaction,
+                    )
+            key, repeat = f"observability_{mode}", 2
+            while key in results:  # --observability off,on,off,on or --rounds: keep every run
+                key, repeat = f"observability_{mode}_{repeat}", repeat + 1
+            results[key] = this_round[mode] = runs
+            print(f"  {key}: {summarise_run(runs)}", flush=True)
+        by_round.append(this_round)
+    sink.shutdown()
+    out: dict[str, Any] = {"results": results}
+    if "off" in modes and len(modes) > 1 and "throughput" in args.only:
+        out["summary"] = against_off(
+            [{m: r["throughput"] for m, r in rnd.items()} for rnd in by_round]
+        )
+    return out
+
+
+def summarise_run(runs: dict[str, Any]) -> str:
+    parts = []
+    if "throughput" in runs:
+        t = runs["throughput"]
+        parts.append(
+            f"{t['end_to_end_per_s']} events/s, {t['machine_cpu_ms_per_event']} ms CPU/event"
+        )
+    for point in runs.get("latency", []):
+        lat = point["latency_ms"]
+        parts.append(f"{point['offered_events_per_s']:g}/s p50 {lat['p50']} p99 {lat['p99']} ms")
+    return "; ".join(parts)
+
+
+# What each ratio divides: events handled per second from the first commit until the last
+# event is handled (the whole run), handled within the producing window (sensitive to a
+# backlog left at its end), and the machine's CPU per event.
+MEASURES = {
+    "end_to_end_throughput_ratio": "end_to_end_per_s",
+    "in_window_throughput_ratio": "processed_per_s_in_window",
+    "cpu_per_event_ratio": "machine_cpu_ms_per_event",
+}
+
+
+def against_off(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """Per mode: each measure as a ratio to the ``off`` run of the same round."""
+    summary: dict[str, Any] = {}
+    for mode in [mode for mode in rounds[0] if mode != "off"]:
+        summary[mode] = {"rounds": len(rounds)}
+        for name, field in MEASURES.items():
+            summary[mode][name] = harness.ratios([r[mode][field] / r["off"][field] for r in rounds])
+        summary[mode]["within_10_percent_shown"] = {
+            name: summary[mode][name]["ci95_of_mean"][0] >= 0.90
+            for name in MEASURES
+            if name.endswith("throughput_ratio")
+        }
+    summary["off"] = {
+        field: [r["off"][field] for r in rounds] for field in (*MEASURES.values(), "speed_probe_ms")
+    }
+    return summary
+
+
+def retention(
+    args: argparse.Namespace, settings: Settings, engine: Any, logs: Path
+) -> dict[str, Any]:
+    """Throughput on empty tables, then with ``--retained-rows`` kept, per round."""
+    url = settings.require_database_url()
+    env = observability_env("default", harness.OtlpSink(), args.sample_ratio)
+    env["PIPELINE_PRUNE_INTERVAL_SECONDS"] = str(args.prune_interval)
+    rounds: list[dict[str, Any]] = []
+    for number in range(args.rounds):
+        for scenario in ("empty", "full"):
+            reset_tables(engine)
+            filled = (
+                harness.seed_sent_rows(url, args.retained_rows, "1 hour", "500 microseconds")
+                if scenario == "full"
+                else 0.0
+            )
+            with running_pipeline(settings, args, engine, logs / f"{scenario}-{number}", env) as p:
+                result = measure_throughput(
+                    env, url, engine, args.duration, args.producers, p, keep_tables=True
+                )
+            result.update(scenario=scenario, round=number + 1, fill_seconds=round(filled, 1))
+            figures = summarise_run({"throughput": result})
+            print(f"  retention round {number + 1} {scenario}: {figures}", flush=True)
+            rounds.append(result)
+    return {
+        "setup": (
+            f"janitor every {args.prune_interval:g}s (nothing expired: it scans and finds no "
+            f"work); full tables: {args.retained_rows} sent outbox events + as many processed "
+            "inbox rows, one hour old"
+        ),
+        "rounds": rounds,
+        "full_to_empty_throughput_ratios": [
+            round(full["processed_per_s_in_window"] / empty["processed_per_s_in_window"], 3)
+            for empty, full in zip(rounds[::2], rounds[1::2], strict=True)
+            if empty["processed_per_s_in_window"]
+        ],
+    }
+
+
+# (stage, frame substrings): a sample goes to the first stage one of whose substrings
+# appears in one of its frames.
+STAGES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
+    "producers": [
+        ("add_event: validate, serialise, ids, create span", ("prepare_rows",)),
+        ("add_event: the INSERT (SQLAlchemy exec_driver_sql + psycopg)", ("exec_driver_sql",)),
+        ("add_event: the rest (settings, backlog gate, session.connection)", ("add_events",)),
+        (
+            "the caller's transaction: begin, commit (SQLAlchemy + psycopg)",
+            (
+                "Session",
+                "TransactionalContext",
+                "_StateChange",
+                "Engine.begin",
+                "Engine.connect",
+                "Connection.begin",
+                "Connection.__init__",
+                "Connection.close",
+                "_ConnectionFairy",
+                "commit",
+            ),
+        ),
+        ("benchmark loop", ("produce", "closed_loop")),
+    ],
+    "workers": [
+        ("handler (benchmark code: one INSERT)", ("_run_handler",)),
+        ("inbox claim statement", ("_claim_all",)),
+        ("metrics (prometheus_client)", ("record_processed", "prometheus_client")),
+        ("tracing (process span)", ("process_span",)),
+        ("envelope decoding (json)", ("decode_envelope",)),
+        ("inbox transaction: session, begin, commit", ("InboxProcessor.handle",)),
+        ("Dramatiq: fetch from Redis", ("ConsumerThread", "WakeableRedisConsumer")),
+        ("Dramatiq: ack, middleware, dispatch", ("WorkerThread", "Broker.emit")),
+    ],
+    "relay": [
+        ("claim statement", ("Drainer.claim",)),
+        ("envelope encoding (json)", ("encode",)),
+        ("Redis pipeline", ("_enqueue", "Pipeline.execute")),
+        ("mark sent / outcomes", ("_settle", "_record_outcome")),
+        ("rest of a batch", ("run_batch",)),
+        ("loop, ledger sweep, janitor, metrics", ("Relay.", "Janitor", "ledger")),
+        ("LISTEN thread", ("Listener",)),
+    ],
+}
+
+
+def process_of(stack: str) -> str | None:
+    """Which benchmark process a sample came from (by its command line in the stack)."""
+    if "pipeline.tools.cli relay" in stack:
+        return "relay"
+    if "dramatiq pipeline.worker" in stack:
+        return "workers"
+    if "spawn_main" in stack and "produce" in stack:
+        return "producers"
+    return None
+
+
+def stage_of(process: str, frames: Sequence[str]) -> str:
+    if not frames:
+        return "no Python frame (C code holding the GIL)"
+    for stage, needles in STAGES[process]:
+        if any(needle in frame for frame in frames for needle in needles):
+            return stage
+    return "other"
+
+
+def split_samples(lines: Iterable[str]) -> dict[str, Any]:
+    """Samples per process and stage, from py-spy's ``raw`` (collapsed stack) output."""
+    counts: dict[str, Counter[str]] = defaultdict(Counter)
+    for line in lines:
+        stack, _, number = line.rstrip().rpartition(" ")
+        if not number.isdigit() or "importlib" in stack:
+            continue
+        process = process_of(stack)
+        if process is None:
+            continue
+        frames = [frame for frame in stack.split(";") if not frame.startswith("process ")]
+        counts[process][stage_of(process, frames)] += int(number)
+    result: dict[str, Any] = {}
+    for process, stages in sorted(counts.items()):
+        total = sum(stages.values())
+        result[process] = {
+            "samples": total,
+            "share_pct": {
+                stage: round(100 * count / total, 1) for stage, count in stages.most_common()
+            },
+        }
+    return result
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    """This benchmark's ``throughput`` under py-spy; samples sorted into stages."""
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(py_spy).exists():
+        raise SystemExit("profile: py-spy is not installed (pip install py-spy)")
+    workdir = Path(tempfile.mkdtemp(prefix="pipeline-profile-"))
+    samples = workdir / "samples.txt"
+    benchmark = [sys.executable, "-m", "benchmarks.end_to_end", "--only", "throughput"]
+    benchmark += ["--api", args.api, "--events-per-transaction", "1"]
+    benchmark += ["--observability", "default", "--duration", str(args.duration)]
+    benchmark += ["--output", str(workdir / "end_to_end.json")]
+    command = [py_spy, "record", "--subprocesses", "--gil", "--nonblocking"]
+    command += ["--rate", str(args.profile_rate), "--format", "raw", "-o", str(samples), "--"]
+    subprocess.run(command + benchmark, check=True, cwd=harness.ROOT, stdout=subprocess.DEVNULL)
+    sampled = harness.json_file(workdir / "end_to_end.json")
+    split = split_samples(samples.read_text().splitlines())
+    for process, figures in split.items():
+        print(f"{process} ({figures['samples']} samples)")
+        for stage, share in figures["share_pct"].items():
+            print(f"  {share:5.1f} %  {stage}")
+    return {
+        "method": (
+            "py-spy --gil samples of an end_to_end closed-loop run (one event per "
+            f"transaction, --api {args.api}, as shipped); shares of each process's samples"
+        ),
+        "cpu_ms_per_event_by_component_while_sampled": sampled["results"]["observability_default"][
+            "throughput"
+        ]["cpu_ms_per_event_by_component"],
+        "split": split,
+    }
+
+
+STRATEGIES = ("latency", "throughput", "retention", "profile")
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--only", default="latency,throughput", help=", ".join(STRATEGIES))
+    parser.add_argument("--rates", default="200,1000", help="latency: events/s offered")
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--producers", type=int, default=8)
     parser.add_argument(
@@ -568,41 +756,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--worker-processes", type=int, default=2)
     parser.add_argument("--worker-threads", type=int, default=8)
-    parser.add_argument("--only", default="latency,throughput")
     parser.add_argument(
         "--observability",
-        default="on",
-        help=(
-            "comma-separated runs: on (OTLP export + /metrics), sampled (the same, "
-            "--sample-ratio of traces recorded), off (neither), tracing, metrics, "
-            "default (as shipped: no OTEL_* variable, /metrics)"
-        ),
+        default="default",
+        help="comma-separated modes: default, off, on, sampled, tracing, metrics",
     )
-    parser.add_argument(
-        "--sample-ratio",
-        type=float,
-        default=0.1,
-        help="share of traces the sampled mode records (default 0.1)",
-    )
+    parser.add_argument("--rounds", type=int, default=1, help="rounds, the order rotating")
+    parser.add_argument("--sample-ratio", type=float, default=0.1, help="the sampled mode's")
     parser.add_argument(
         "--api",
         choices=("core", "session"),
         default="core",
-        help=(
-            "core: producers add events on a Core connection (engine.begin()) and the "
-            "handler writes with exec_driver_sql; session: an ORM Session and "
-            "Session.execute(text(...))"
-        ),
+        help="core: engine.begin() and exec_driver_sql; session: an ORM Session",
     )
+    parser.add_argument("--retained-rows", type=int, default=5_000_000, help="retention")
+    parser.add_argument("--prune-interval", type=float, default=10.0, help="retention")
+    parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples/s")
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")
-    parser.add_argument("--output", default=str(ROOT / "benchmarks/results/end_to_end.json"))
+    parser.add_argument("--output", default=str(harness.RESULTS / "end_to_end.json"))
     args = parser.parse_args(argv)
+    args.only = [s for s in args.only.split(",") if s]
+    if unknown := sorted(set(args.only) - set(STRATEGIES)):
+        parser.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+    if "profile" in args.only and args.only != ["profile"]:
+        parser.error("profile runs the benchmark under py-spy: run it on its own")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     os.environ[API_VARIABLE] = args.api  # the producer child and the workers inherit it
-    only = set(args.only.split(","))
+    report = harness.header("end_to_end", argv)
+    if args.only == ["profile"]:
+        report["profile"] = profile(args)
+        harness.write_report(args.output, report)
+        return 0
     logs = Path(tempfile.mkdtemp(prefix="pipeline-e2e-logs-"))
-    with servers(args.database_url, args.redis_url) as (database_url, redis_url):
-        settings = Settings(database_url=database_url, redis_url=redis_url)  # type: ignore[arg-type]
+    with harness.servers(args.database_url, args.redis_url) as servers:
+        settings = Settings(
+            database_url=servers.database_url,  # type: ignore[arg-type]
+            redis_url=servers.redis_url,  # type: ignore[arg-type]
+        )
         configure(settings)
         engine = create_engine(settings.sqlalchemy_url(), pool_size=args.producers + 2)
         with engine.begin() as conn:
@@ -613,81 +808,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                     " (event_id uuid PRIMARY KEY, done_at float8)"
                 )
             )
-        sink = OtlpSink()
-        results: dict[str, Any] = {}
-        for mode in args.observability.split(","):
-            env = observability_env(mode, sink, args.sample_ratio)
-            pipeline = Pipeline(
-                settings, args.worker_processes, args.worker_threads, logs / mode, env
-            )
-            runs: dict[str, Any] = {}
-            try:
-                # Long enough for every process's first span export (the batch processor
-                # exports after 5 s): its one-off start-up cost is not steady state.
-                reset_tables(engine)
-                warm = open_loop(engine, 200, WARM_UP_SECONDS, 2)
-                if len(wait_processed(engine, list(warm), timeout=60)) != len(warm):
-                    raise SystemExit(f"warm-up events were not processed; see {logs}")
-                if "latency" in only:
-                    runs["latency"] = [
-                        measure_rate(
-                            env,
-                            database_url,
-                            engine,
-                            float(rate),
-                            args.duration,
-                            args.producers,
-                            pipeline,
-                            args.events_per_transaction,
-                        )
-                        for rate in args.rates.split(",")
-                    ]
-                if "throughput" in only:
-                    runs["throughput"] = measure_throughput(
-                        env,
-                        database_url,
-                        engine,
-                        args.duration,
-                        args.producers,
-                        pipeline,
-                        args.events_per_transaction,
-                    )
-            finally:
-                pipeline.stop()
-            key, repeat = f"observability_{mode}", 2
-            while key in results:  # --observability off,on,off,on: keep every run
-                key, repeat = f"observability_{mode}_{repeat}", repeat + 1
-            results[key] = runs
-        sink.shutdown()
-        engine.dispose()
-        report = {
-            "benchmark": "end_to_end",
-            "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            "command": shlex.join([sys.executable, *sys.argv]),
-            "machine": _machine(),
-            "code": pc._code_version(),
-            "durability": durability(database_url),
-            "logs": str(logs),
-            "setup": {
-                "relay": "1 process, --mode auto",
-                "workers": f"{args.worker_processes} processes x {args.worker_threads} threads",
-                "producers": (
-                    f"{args.producers} threads in one spawned process, "
-                    f"{args.events_per_transaction} event(s) per transaction; with "
-                    "observability on they trace (create spans, OTLP export)"
-                ),
-                "api": (
-                    "producers: engine.begin() + add_event; handler: exec_driver_sql"
-                    if args.api == "core"
-                    else "producers: Session + add_event; handler: Session.execute(text())"
-                ),
-                "worker_timeout_ms": settings.worker_timeout_ms,
-                "sampled_mode_ratio": args.sample_ratio,
-            },
-            "results": results,
+        report["servers"] = servers.describe()
+        report["durability"] = report["servers"]["postgres_settings"]
+        report["logs"] = str(logs)
+        report["setup"] = {
+            "relay": "1 process, --mode auto",
+            "workers": f"{args.worker_processes} processes x {args.worker_threads} threads",
+            "producers": (
+                f"{args.producers} threads in one spawned process, "
+                f"{args.events_per_transaction} event(s) per transaction"
+            ),
+            "api": (
+                "producers: engine.begin() + add_event; handler: exec_driver_sql"
+                if args.api == "core"
+                else "producers: Session + add_event; handler: Session.execute(text())"
+            ),
+            "worker_timeout_ms": settings.worker_timeout_ms,
+            "sampled_mode_ratio": args.sample_ratio,
         }
-    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
-    print(json.dumps(results, indent=2))
+        if {"latency", "throughput"} & set(args.only):
+            report.update(observability_runs(args, settings, engine, logs))
+            harness.write_report(args.output, report)
+        if "retention" in args.only:
+            report["retention"] = retention(args, settings, engine, logs)
+        engine.dispose()
+    harness.finish(report)
+    harness.write_report(args.output, report)
+    print(f"wrote {args.output}")
     return 0
 
 

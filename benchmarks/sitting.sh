@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# One sitting: the peers comparison, the tracing overhead, the producer/handler API pairs and
-# the relay's throughput, each in five rounds, then the database libraries' costs and a
-# profile of where the CPU goes (when py-spy is installed), back to back on one machine,
-# so that their figures can be compared.
+# One sitting: the peers comparison, the tracing overhead, the producer/handler API pairs, ten
+# events per transaction and the relay's throughput, each in five rounds, then the relay's
+# wake-up latency, the database libraries' costs and a profile of where the CPU goes (when
+# py-spy is installed), back to back on one machine, so that their figures can be compared.
 # Each writes its JSON under benchmarks/results/sitting/; this script logs start and end
 # times and the load average to its sitting.log, and sitting_summary.py condenses them into
-# summary.json. About 45 minutes on 2 vCPUs.
+# summary.json. About 30 minutes on 2 vCPUs.
 # Run from the repository root with the project's venv: bash benchmarks/sitting.sh
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
@@ -22,8 +22,9 @@ step() {
 echo "commit $(git rev-parse HEAD)$(git diff --quiet -- pipeline || echo ' with uncommitted pipeline/ changes')" >>"$LOG"
 step "$PY" -m benchmarks.peers --rounds "$ROUNDS" --observability default \
     --output "$OUT/peers.json"
-step "$PY" -m benchmarks.overhead --rounds "$ROUNDS" --modes off,default,sampled \
-    --events-per-transaction 1 --duration 10 --output "$OUT/overhead_1_per_tx.json"
+step "$PY" -m benchmarks.end_to_end --only throughput --rounds "$ROUNDS" \
+    --observability off,default,sampled --events-per-transaction 1 --duration 10 \
+    --output "$OUT/overhead_1_per_tx.json"
 # The producer and handler APIs: an ORM Session against a Core connection, order alternating.
 for round in $(seq 1 "$ROUNDS"); do
     apis="core session"
@@ -41,12 +42,16 @@ for round in $(seq 1 "$ROUNDS"); do
         --output "$OUT/ten_per_tx_round_$round.json"
 done
 for round in $(seq 1 "$ROUNDS"); do
-    step "$PY" benchmarks/relay.py --only throughput --batch-sizes 500,1000 --events 50000 \
+    step "$PY" -m benchmarks.relay --only throughput --batch-sizes 500,1000 --events 50000 \
         --output "$OUT/relay_round_$round.json"
 done
-step "$PY" -m benchmarks.dependency_costs --output "$OUT/dependency_costs.json"
+step "$PY" -m benchmarks.relay --only wakeup_latency --sustained-rates 200,1000 \
+    --sustained-duration 10 --output "$OUT/relay_wakeup.json"
+step "$PY" -m benchmarks.micro --only drivers --rounds "$ROUNDS" \
+    --output "$OUT/dependency_costs.json"
 if "$PY" -c "import shutil, sys; sys.exit(0 if shutil.which('py-spy') else 1)" 2>/dev/null \
     || [ -x "$(dirname "$PY")/py-spy" ]; then
-    step "$PY" -m benchmarks.profile_split --duration 15 --output "$OUT/profile_split.json"
+    step "$PY" -m benchmarks.end_to_end --only profile --duration 15 \
+        --output "$OUT/profile_split.json"
 fi
 "$PY" -m benchmarks.sitting_summary "$OUT"

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.peers.run import spread
+from benchmarks.harness import spread
 
 GOALS = {
     "end_to_end_events_per_s": 3500.0,

@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import resource
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -34,10 +33,9 @@ from typing import Any, Protocol
 
 import psycopg
 
-from benchmarks.end_to_end import machine_busy_seconds, speed_probe_ms
-from benchmarks.producer_cost import _ms, _percentile
+from benchmarks import harness
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = harness.ROOT
 HANDLED_TABLE_DDL = (
     "CREATE TABLE IF NOT EXISTS bench_peer"
     " (key text PRIMARY KEY, started_at float8 NOT NULL, copies integer NOT NULL DEFAULT 1)"
@@ -76,41 +74,9 @@ def stop_on_sigterm(stop: Callable[[], None]) -> None:
         loop.add_signal_handler(signum, stop)
 
 
-class Processes:
+def consumer_processes(commands: dict[str, list[str]], logs: Path) -> harness.Children:
     """A peer's consumer processes, each logging to its own file."""
-
-    def __init__(self, commands: dict[str, list[str]], logs: Path, env: dict[str, str]) -> None:
-        logs.mkdir(parents=True, exist_ok=True)
-        self.logs = logs
-        self.processes = [
-            subprocess.Popen(
-                command,
-                cwd=ROOT,
-                env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-                stdout=(logs / f"{name}.log").open("wb"),
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            for name, command in commands.items()
-        ]
-
-    def check_alive(self) -> None:
-        for process in self.processes:
-            if process.poll() is not None:
-                raise RuntimeError(
-                    f"a consumer process exited with code {process.returncode}; see {self.logs}"
-                )
-
-    def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    return harness.Children(commands, logs, {**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 async def _open_loop(
@@ -211,13 +177,7 @@ def create_handled_table(url: str) -> None:
 
 
 def _latency(committed: dict[str, float], handled: dict[str, tuple[float, int]]) -> dict[str, Any]:
-    latencies = [handled[k][0] - t for k, t in committed.items() if k in handled]
-    return {
-        "p50": _ms(_percentile(latencies, 0.50)),
-        "p90": _ms(_percentile(latencies, 0.90)),
-        "p99": _ms(_percentile(latencies, 0.99)),
-        "max": _ms(max(latencies)) if latencies else None,
-    }
+    return harness.latency_ms([handled[k][0] - t for k, t in committed.items() if k in handled])
 
 
 def measure_rate(
@@ -231,11 +191,11 @@ def measure_rate(
     """Open loop at ``rate`` events/s: latency, and whether the rate was sustained."""
     reset(url)
     truncate_handled(url)
-    probe = speed_probe_ms()
-    busy = machine_busy_seconds()
+    probe = harness.speed_probe_ms()
+    busy = harness.machine_busy_seconds()
     committed, producer_cpu = run_producers(module, url, "open", rate, duration, producers)
     handled = wait_handled(url, len(committed), timeout=60)
-    cpu = machine_busy_seconds() - busy
+    cpu = harness.machine_busy_seconds() - busy
     seen = [handled[k] for k in committed if k in handled]
     first, last = min(committed.values()), max(committed.values())
     lagging = [started - last for started, _ in seen]
@@ -263,13 +223,13 @@ def measure_throughput(
     """Closed loop: committed and handled events per second, the drain included."""
     reset(url)
     truncate_handled(url)
-    probe = speed_probe_ms()
-    busy = machine_busy_seconds()
+    probe = harness.speed_probe_ms()
+    busy = harness.machine_busy_seconds()
     started = time.time()
     committed, producer_cpu = run_producers(module, url, "closed", 0.0, duration, producers)
     ended = time.time()
     handled = wait_handled(url, len(committed), timeout=180)
-    cpu = machine_busy_seconds() - busy
+    cpu = harness.machine_busy_seconds() - busy
     seen = [handled[k][0] for k in committed if k in handled]
     finished = max(seen, default=ended)
     window_start = started + 2  # skip the ramp-up, as end_to_end.py does
@@ -289,7 +249,9 @@ def measure_throughput(
     }
 
 
-def warm_up(module: str, url: str, reset: Callable[[str], None], processes: Processes) -> None:
+def warm_up(
+    module: str, url: str, reset: Callable[[str], None], processes: harness.Children
+) -> None:
     """A few seconds at a low rate, so that connections and code paths are warm."""
     reset(url)
     truncate_handled(url)

@@ -27,13 +27,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import importlib
 import json
 import os
-import re
-import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,12 +42,11 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
-import redis
 from psycopg import sql
 
-from benchmarks.end_to_end import durability, servers
+from benchmarks import harness
+from benchmarks.harness import rotated, spread, without_passwords
 from benchmarks.peers import common
-from benchmarks.producer_cost import _code_version, _machine
 from pipeline.transport.namespace import delete_namespace
 
 ROOT = common.ROOT
@@ -68,11 +63,6 @@ PIPELINE_SEMANTICS = [
     "publishes, worker processes consume.",
     "Each event carries a W3C trace context and a CloudEvents envelope.",
 ]
-
-
-def without_passwords(text: str) -> str:
-    """``text`` with the password of every URL in it replaced (reports are shared)."""
-    return re.sub(r"://([^:/@\s]*):[^@/\s]+@", r"://\1:***@", text)
 
 
 def database_url(base: str, name: str) -> str:
@@ -102,20 +92,6 @@ def versions(names: Sequence[str]) -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             found[name] = None
     return found
-
-
-def redis_info(url: str) -> dict[str, Any]:
-    client = redis.Redis.from_url(url)
-    try:
-        server = client.info("server")
-        persistence = client.info("persistence")
-    finally:
-        client.close()
-    return {
-        "redis_version": server.get("redis_version"),
-        "aof_enabled": persistence.get("aof_enabled"),
-        "rdb_changes_since_last_save": persistence.get("rdb_changes_since_last_save"),
-    }
 
 
 def run_pipeline(url: str, redis_url: str, namespace: str, args: argparse.Namespace) -> Any:
@@ -173,7 +149,7 @@ def run_peer(
     asyncio.run(module.install(url))
     common.create_handled_table(url)
     logs = Path(tempfile.mkdtemp(prefix=f"peers-{module.NAME}-"))
-    processes = common.Processes(module.commands(url, redis_url, namespace), logs, {})
+    processes = common.consumer_processes(module.commands(url, redis_url, namespace), logs)
     try:
         common.warm_up(module.__name__, url, module.reset, processes)
         latency = [
@@ -264,16 +240,6 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
-def rotated(systems: Sequence[str], round_index: int) -> list[str]:
-    """The order of one round: round r starts at system r mod the number of systems.
-
-    The machine's load drifts within minutes; rotating keeps that drift from always
-    landing on the same system.
-    """
-    start = round_index % len(systems)
-    return [*systems[start:], *systems[:start]]
-
-
 def measure_round(
     round_index: int,
     systems: Sequence[str],
@@ -297,19 +263,6 @@ def measure_round(
         "order": order,
         "summary": summary_rows(results),
         "results": results,
-    }
-
-
-def spread(values: Sequence[float | None]) -> dict[str, Any]:
-    """Per-round values (``None`` where a round measured nothing), median, min and max."""
-    measured = [v for v in values if v is not None]
-    if not measured:
-        return {"by_round": list(values), "median": None, "min": None, "max": None}
-    return {
-        "by_round": list(values),
-        "median": round(statistics.median(measured), 3),
-        "min": min(measured),
-        "max": max(measured),
     }
 
 
@@ -430,13 +383,6 @@ def rounds_summary(
     return summary
 
 
-def write_report(path: Path, report: dict[str, Any]) -> None:
-    """Replace the report in one step, so that a crash mid-write leaves the last round's."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(json.dumps(report, indent=2) + "\n")
-    partial.replace(path)
-
-
 def _range(stats: dict[str, Any], digits: int) -> str:
     if stats["median"] is None:
         return "-"
@@ -470,17 +416,13 @@ def summary_table(summary: Sequence[dict[str, Any]], rates: Sequence[int]) -> st
     )
 
 
-def report_header(args: argparse.Namespace, started: str, server: dict[str, Any]) -> dict[str, Any]:
+def report_header(
+    args: argparse.Namespace, argv: Sequence[str] | None, server: dict[str, Any]
+) -> dict[str, Any]:
     """Everything the report says about the sitting, before any result."""
     return {
-        "benchmark": "peers",
-        "date": started,
-        "command": without_passwords(
-            shlex.join([sys.executable, "-m", "benchmarks.peers", *sys.argv[1:]])
-        ),
+        **harness.header("peers", argv),
         "note": args.note,
-        "machine": _machine(),
-        "code": _code_version(),
         "servers": server,
         "servers_started_here": {
             "postgres": args.database_url is None,
@@ -535,16 +477,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     systems = args.systems.split(",")
     rates = [int(float(r)) for r in args.rates.split(",")]
     output = Path(args.output)
-    started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     rounds: list[dict[str, Any]] = []
-    with servers(args.database_url, args.redis_url) as (admin_url, redis_url):
-        server = {"postgres": durability(admin_url), "redis": redis_info(redis_url)}
-        report = report_header(args, started, server)
+    with harness.servers(args.database_url, args.redis_url) as servers:
+        admin_url, redis_url = servers.database_url, servers.redis_url
+        server = {"postgres": harness.durability(admin_url), "redis": harness.redis_info(redis_url)}
+        report = report_header(args, argv, server)
         for round_index in range(args.rounds):
             rounds.append(measure_round(round_index, systems, admin_url, redis_url, args))
             report["complete"] = round_index + 1 == args.rounds
             report["summary"] = rounds_summary(systems, rounds, rates)
             report["rounds"] = rounds
-            write_report(output, report)
+            harness.write_report(output, report)
     print(summary_table(report["summary"], rates))
     return 0

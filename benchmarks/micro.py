@@ -1,0 +1,333 @@
+"""Per-call costs too small for an end-to-end run to resolve: ``python -m benchmarks.micro``.
+
+Strategies, each CPU time of one process (a neighbour's load changes it less than wall
+time), the cases interleaved over ``--rounds``:
+
+* ``spans``: CPU microseconds per ``create`` span (formatting the ``traceparent`` the row
+  stores) and per ``process`` span (parsing it back), ``--spans`` of each, by tracing
+  set-up, each in a process of its own set up by ``configure_tracing``: ``off``
+  (``OTEL_SDK_DISABLED``), ``none`` (the default: no provider, each event gets a trace
+  context of its own), ``otlp`` (the SDK's provider, every span exported by the official
+  OTLP/HTTP exporter to a local sink; the export thread's CPU included) and ``sampled``
+  (``parentbased_traceidratio`` at 0.1).
+* ``drivers``: client CPU per transaction of the database libraries under ``add_event``:
+  an ORM ``Session`` against a Core connection (BEGIN, ``SELECT 1``, COMMIT), one INSERT
+  through ``Session.execute(text())`` against ``exec_driver_sql``, and psycopg alone in a
+  transaction (three round trips) against autocommit (one).
+* ``backlog_gate``: what ``PIPELINE_BACKLOG_LIMIT`` adds to ``add_event*``: the per-call
+  check (limit off and on) and the bounded count a producer process runs at most once a
+  second with a limit, for ``--unsent`` events waiting and each of ``--limits``.
+
+Without ``--database-url`` it starts a throwaway durable Postgres (``spans`` needs none).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import timeit
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from pydantic import SecretStr
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.orm import Session
+
+from benchmarks import harness
+from pipeline.config import Settings
+from pipeline.db.migrate import upgrade
+from pipeline.db.queries import queries_for
+from pipeline.outbox import BacklogGate
+
+SPAN_MODES = ("off", "none", "otlp", "sampled")
+TABLE = "bench_dependency_costs"
+INSERT_TEXT = text(f"INSERT INTO {TABLE} (n) VALUES (:n)")
+INSERT_DRIVER = f"INSERT INTO {TABLE} (n) VALUES (%(n)s)"
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+# -- spans --------------------------------------------------------------------------------
+
+
+def span_child(mode: str, spans: int) -> dict[str, float]:
+    """One tracing set-up in this process: CPU per create span and per process span."""
+    from opentelemetry import trace
+
+    from pipeline.envelope import ReceivedEvent
+    from pipeline.observability import tracing
+
+    sink = harness.OtlpSink()
+    if mode == "off":
+        os.environ["OTEL_SDK_DISABLED"] = "true"
+    elif mode in ("otlp", "sampled"):
+        os.environ.update(OTEL_TRACES_EXPORTER="otlp", OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint)
+        os.environ["OTEL_BSP_MAX_QUEUE_SIZE"] = str(2 * spans)  # drop nothing
+    if mode == "sampled":
+        os.environ.update(
+            OTEL_TRACES_SAMPLER="parentbased_traceidratio", OTEL_TRACES_SAMPLER_ARG="0.1"
+        )
+    tracing.configure_tracing(Settings(), "span-cost")
+    flush = getattr(trace.get_tracer_provider(), "force_flush", lambda: True)
+    ids = [uuid.uuid4() for _ in range(spans)]
+    tracing.start_create_span("warm.up", uuid.uuid4()).end()  # one-time set-up is not per span
+
+    started = _cpu()
+    headers = []
+    for event_id in ids:
+        span = tracing.start_create_span("order.placed", event_id, correlation_id="c-1")
+        headers.append(tracing.span_headers(span))
+        span.end()
+    flush()
+    create = (_cpu() - started) / spans
+
+    events = [
+        ReceivedEvent(
+            id=event_id,
+            type="order.placed",
+            version=1,
+            data={},
+            source="span-cost",
+            time="2026-01-01T00:00:00Z",
+            seq=n,
+            correlation_id="c-1",
+            traceparent=header.get("traceparent"),
+        )
+        for n, (event_id, header) in enumerate(zip(ids, headers, strict=True))
+    ]
+    started = _cpu()
+    for event in events:
+        with tracing.process_span(event, "billing", 1):
+            pass
+    flush()
+    process = (_cpu() - started) / spans
+    tracing.shutdown_tracing()
+    sink.shutdown()
+    return {"create_us": round(create * 1e6, 2), "process_us": round(process * 1e6, 2)}
+
+
+def spans(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in SPAN_MODES}
+    for _ in range(args.rounds):
+        for mode in SPAN_MODES:
+            command = [sys.executable, "-m", "benchmarks.micro", "--span-child", mode]
+            out = subprocess.run(
+                [*command, "--spans", str(args.spans)],
+                check=True,
+                capture_output=True,
+                text=True,
+                cwd=harness.ROOT,
+                env=environment,
+            ).stdout
+            runs[mode].append(json.loads(out.strip().splitlines()[-1]))
+    return {
+        "unit": "CPU microseconds per span (process CPU, export thread included)",
+        "spans_per_run": args.spans,
+        "median": {
+            mode: {k: statistics.median(r[k] for r in results) for k in ("create_us", "process_us")}
+            for mode, results in runs.items()
+        },
+        "runs": runs,
+    }
+
+
+# -- drivers ------------------------------------------------------------------------------
+
+
+def driver_cases(engine: Engine, url: str) -> dict[str, Callable[[int], None]]:
+    """Each case runs ``n`` transactions (or statements, for the statement cases)."""
+    raw = psycopg.connect(url)
+    auto = psycopg.connect(url, autocommit=True)
+
+    def orm_session_empty(n: int) -> None:
+        for _ in range(n):
+            with Session(engine) as session, session.begin():
+                session.connection().exec_driver_sql("SELECT 1")
+
+    def core_connection_empty(n: int) -> None:
+        for _ in range(n):
+            with engine.begin() as connection:
+                connection.exec_driver_sql("SELECT 1")
+
+    def session_execute_text(n: int) -> None:
+        with Session(engine) as session, session.begin():
+            for i in range(n):
+                session.execute(INSERT_TEXT, {"n": i})
+
+    def exec_driver_sql(n: int) -> None:
+        with engine.begin() as connection:
+            for i in range(n):
+                connection.exec_driver_sql(INSERT_DRIVER, {"n": i})
+
+    def psycopg_transaction(n: int) -> None:
+        for i in range(n):
+            with raw.transaction():
+                raw.execute(INSERT_DRIVER, {"n": i})
+
+    def psycopg_autocommit(n: int) -> None:
+        for i in range(n):
+            auto.execute(INSERT_DRIVER, {"n": i})
+
+    return {
+        "orm_session_empty": orm_session_empty,
+        "core_connection_empty": core_connection_empty,
+        "session_execute_text": session_execute_text,
+        "exec_driver_sql": exec_driver_sql,
+        "psycopg_transaction": psycopg_transaction,
+        "psycopg_autocommit": psycopg_autocommit,
+    }
+
+
+def drivers(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
+    assert url is not None
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    with engine.begin() as connection:
+        connection.exec_driver_sql(f"DROP TABLE IF EXISTS {TABLE}")
+        connection.exec_driver_sql(f"CREATE TABLE {TABLE} (n integer)")
+    cases = driver_cases(engine, url)
+    for case in cases.values():
+        case(300)  # warm-up: pools, prepared statements, caches
+    by_case: dict[str, list[float]] = {name: [] for name in cases}
+    for round_index in range(args.rounds):
+        for name in harness.rotated(list(cases), round_index):
+            started = time.process_time()
+            cases[name](args.calls)
+            by_case[name].append(round((time.process_time() - started) / args.calls * 1e6, 1))
+    with engine.begin() as connection:
+        connection.exec_driver_sql(f"DROP TABLE {TABLE}")
+    engine.dispose()
+    medians = {name: statistics.median(values) for name, values in by_case.items()}
+    for name, median in medians.items():
+        print(f"  {name:24} {median:8.1f} µs  {by_case[name]}")
+    return {
+        "unit": "client CPU microseconds per transaction (per statement for the statement cases)",
+        "cpu_us": {
+            name: {"by_round": values, "median": medians[name]} for name, values in by_case.items()
+        },
+        "differences_us": {
+            "orm_session_over_core_connection": round(
+                medians["orm_session_empty"] - medians["core_connection_empty"], 1
+            ),
+            "session_execute_text_over_exec_driver_sql": round(
+                medians["session_execute_text"] - medians["exec_driver_sql"], 1
+            ),
+            "begin_and_commit_round_trips_in_psycopg": round(
+                medians["psycopg_transaction"] - medians["psycopg_autocommit"], 1
+            ),
+        },
+    }
+
+
+# -- backlog gate -------------------------------------------------------------------------
+
+
+def gate_call_us(limit: int) -> float:
+    """Microseconds of the gate's per-call work (``add_events``' check without SQL)."""
+    gate = BacklogGate()
+    settings = Settings(database_url=SecretStr("postgresql://unused/db"), backlog_limit=limit)
+    gate.record(settings, 0)
+
+    def call() -> None:
+        if settings.backlog_limit and gate.due(settings):
+            raise AssertionError("the count was just recorded")
+        gate.check(settings)
+
+    number = 200_000
+    return min(timeit.repeat(call, number=number, repeat=5)) / number * 1e6
+
+
+def gate_count_ms(url: str, schema: str, unsent: int, limits: Sequence[int]) -> dict[str, float]:
+    query = queries_for(schema)["backlog_count"]
+    outbox = f'"{schema}".outbox'
+    result = {}
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {outbox}")
+        conn.execute(
+            f"INSERT INTO {outbox} (id, event_type, payload) "
+            "SELECT gen_random_uuid(), 'bench.gate', '{}' FROM generate_series(1, %s)",
+            (unsent,),
+        )
+        conn.execute(f"VACUUM ANALYZE {outbox}")
+        for limit in limits:
+            times = []
+            for _ in range(9):
+                started = time.perf_counter()
+                conn.execute(query, {"limit": limit + 1}).fetchone()
+                times.append(time.perf_counter() - started)
+            result[str(limit)] = round(statistics.median(times) * 1000, 3)
+        conn.execute(f"TRUNCATE {outbox}")
+    return result
+
+
+def backlog_gate(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
+    assert url is not None
+    schema = "pipeline_bench" if args.database_url else "pipeline"
+    engine = create_engine("postgresql+psycopg://" + url.split("://", 1)[1])
+    with engine.begin() as connection:
+        upgrade(connection, schema)
+    engine.dispose()
+    limits = [int(v) for v in args.limits.split(",")]
+    return {
+        "per_call_us": {
+            "limit_off": round(gate_call_us(0), 3),
+            "limit_on": round(gate_call_us(1_000_000), 3),
+        },
+        "count_ms_by_unsent_and_limit": {
+            unsent: gate_count_ms(url, schema, int(unsent), limits)
+            for unsent in args.unsent.split(",")
+        },
+        "note": "the count runs at most once a second per producer process, only with a limit",
+    }
+
+
+STRATEGIES = {"spans": spans, "drivers": drivers, "backlog_gate": backlog_gate}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--only", default=",".join(STRATEGIES), help="strategies")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (spans, drivers)")
+    parser.add_argument("--spans", type=int, default=20_000, help="spans: spans of each kind")
+    parser.add_argument("--calls", type=int, default=3000, help="drivers: calls per case")
+    parser.add_argument("--unsent", default="10000,100000", help="backlog_gate: events waiting")
+    parser.add_argument("--limits", default="10000,1000000", help="backlog_gate: limits")
+    parser.add_argument("--database-url")
+    parser.add_argument("--output", type=Path, default=harness.RESULTS / "micro.json")
+    parser.add_argument("--span-child", choices=SPAN_MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.span_child:
+        print(json.dumps(span_child(args.span_child, args.spans)))
+        return 0
+    strategies = [s for s in args.only.split(",") if s]
+    if unknown := sorted(set(strategies) - set(STRATEGIES)):
+        parser.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
+    report = harness.header("micro", argv)
+    needs_database = strategies != ["spans"]
+    with harness.servers(args.database_url if needs_database else "", with_redis=False) as servers:
+        if needs_database:
+            report["servers"] = servers.describe()
+        for name in strategies:
+            report[name] = STRATEGIES[name](args, servers.database_url or None)
+            harness.write_report(args.output, report)
+    harness.finish(report)
+    harness.write_report(args.output, report)
+    print(json.dumps({name: report[name] for name in strategies}, indent=1)[:3000])
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
