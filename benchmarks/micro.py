@@ -242,7 +242,7 @@ def gate_call_us(limit: int) -> float:
 
     def call() -> None:
         if settings.backlog_limit and gate.due(settings):
-            raise AssertionError("the count was just recorded")
+            gate.record(settings, 0)  # a producer would count now (once a second): not timed here
         gate.check(settings)
 
     number = 200_000

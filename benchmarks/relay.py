@@ -117,7 +117,7 @@ def make_publisher(settings: Settings) -> DramatiqRedisPublisher:
 
 @dataclass
 class Context:
-    """What every section needs: settings, producer_cost's Bench (admin connection), pids."""
+    """What every strategy needs: settings, the producers' Bench (admin connection), pids."""
 
     settings: Settings
     bench: producers.Bench
@@ -1090,7 +1090,7 @@ def start_relay_process(ctx: Context, log: Path) -> subprocess.Popen[bytes]:
 
 def settle_relay(ctx: Context, timeout: float = 20.0) -> None:
     """Drop any backlog and wait until the relay has handed off (not busy), so the next
-    run's probe commit NOTIFYs as producer_cost expects."""
+    run's probe commit NOTIFYs as the producers expect."""
     ctx.bench.admin.execute(sql.SQL("TRUNCATE {}").format(ctx.outbox))
     busy = sql.SQL(
         "SELECT EXISTS (SELECT 1 FROM {} WHERE busy AND heartbeat_at > clock_timestamp() "
@@ -1138,7 +1138,7 @@ def publish_lag(ctx: Context, wait: float = 30.0) -> dict[str, Any]:
 def run_producer_with_relay(
     ctx: Context, clients_list: Sequence[int], duration: float, max_processes: int
 ) -> dict[str, Any]:
-    """producer_cost's business vs outbox runs while a real relay process publishes."""
+    """The producers' business vs outbox runs while a real relay process publishes."""
     ctx.reset()
     log = Path(tempfile.mkdtemp(prefix="relay-bench-")) / "relay.log"
     relay = start_relay_process(ctx, log)
@@ -1206,7 +1206,7 @@ def run_producer_with_relay(
     }
     return {
         "method": (
-            "producer_cost.run_one for modes business and outbox_notify (reported as "
+            "producers.run_one for modes business and outbox_notify (reported as "
             "'outbox': add_event in the transaction, NOTIFY trigger installed, no fake "
             "heartbeat) while `python -m pipeline.tools.cli relay --mode inline` (routes from "
             "benchmarks/bench_app.py) publishes; before each run the outbox is truncated and "

@@ -10,7 +10,10 @@
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 ROUNDS=${ROUNDS:-5}
-OUT=benchmarks/results/sitting
+DURATION=${DURATION:-10}           # seconds per closed or open loop
+EVENTS=${EVENTS:-50000}            # events the relay drains per run
+PROFILE_DURATION=${PROFILE_DURATION:-15}
+OUT=${OUT:-benchmarks/results/sitting}
 mkdir -p "$OUT"
 LOG=$OUT/sitting.log
 : >"$LOG"
@@ -20,38 +23,38 @@ step() {
     echo "$(date -u +%FT%TZ) end (load: $(cut -d' ' -f1-3 /proc/loadavg))" | tee -a "$LOG"
 }
 echo "commit $(git rev-parse HEAD)$(git diff --quiet -- pipeline || echo ' with uncommitted pipeline/ changes')" >>"$LOG"
-step "$PY" -m benchmarks.peers --rounds "$ROUNDS" --observability default \
+step "$PY" -m benchmarks.peers --rounds "$ROUNDS" --duration "$DURATION" --observability default \
     --output "$OUT/peers.json"
 step "$PY" -m benchmarks.end_to_end --only throughput --rounds "$ROUNDS" \
-    --observability off,default,sampled --events-per-transaction 1 --duration 10 \
+    --observability off,default,sampled --events-per-transaction 1 --duration "$DURATION" \
     --output "$OUT/overhead_1_per_tx.json"
 # The producer and handler APIs: an ORM Session against a Core connection, order alternating.
 for round in $(seq 1 "$ROUNDS"); do
     apis="core session"
     if [ $((round % 2)) -eq 0 ]; then apis="session core"; fi
     for api in $apis; do
-        step "$PY" -m benchmarks.end_to_end --only throughput --api "$api" --duration 10 \
+        step "$PY" -m benchmarks.end_to_end --only throughput --api "$api" --duration "$DURATION" \
             --events-per-transaction 1 --observability default \
             --output "$OUT/api_${api}_round_$round.json"
     done
 done
 # Ten events per producer transaction (add_events), as shipped.
 for round in $(seq 1 "$ROUNDS"); do
-    step "$PY" -m benchmarks.end_to_end --only throughput,latency --rates 1000 --duration 10 \
+    step "$PY" -m benchmarks.end_to_end --only throughput,latency --rates 1000 --duration "$DURATION" \
         --events-per-transaction 10 --observability default \
         --output "$OUT/ten_per_tx_round_$round.json"
 done
 for round in $(seq 1 "$ROUNDS"); do
-    step "$PY" -m benchmarks.relay --only throughput --batch-sizes 500,1000 --events 50000 \
+    step "$PY" -m benchmarks.relay --only throughput --batch-sizes 500,1000 --events "$EVENTS" \
         --output "$OUT/relay_round_$round.json"
 done
 step "$PY" -m benchmarks.relay --only wakeup_latency --sustained-rates 200,1000 \
-    --sustained-duration 10 --output "$OUT/relay_wakeup.json"
+    --sustained-duration "$DURATION" --output "$OUT/relay_wakeup.json"
 step "$PY" -m benchmarks.micro --only drivers --rounds "$ROUNDS" \
     --output "$OUT/dependency_costs.json"
 if "$PY" -c "import shutil, sys; sys.exit(0 if shutil.which('py-spy') else 1)" 2>/dev/null \
     || [ -x "$(dirname "$PY")/py-spy" ]; then
-    step "$PY" -m benchmarks.end_to_end --only profile --duration 15 \
+    step "$PY" -m benchmarks.end_to_end --only profile --duration "$PROFILE_DURATION" \
         --output "$OUT/profile_split.json"
 fi
 "$PY" -m benchmarks.sitting_summary "$OUT"
