@@ -832,10 +832,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "retention" in args.only:
             report["retention"] = retention(args, settings, engine, logs)
         engine.dispose()
-    harness.finish(report)
-    harness.write_report(args.output, report)
-    print(f"wrote {args.output}")
-    return 0
+    return harness.done(report, args.output)
 
 
 if __name__ == "__main__":

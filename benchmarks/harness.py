@@ -20,6 +20,7 @@ import contextlib
 import datetime as dt
 import hashlib
 import json
+import multiprocessing as mp
 import os
 import platform
 import random
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -235,6 +236,14 @@ def finish(report: dict[str, Any]) -> None:
     report["code"]["changed_during_run"] = changed
     if changed:
         print("warning: pipeline/ changed while the benchmark ran", file=sys.stderr)
+
+
+def done(report: dict[str, Any], path: Path | str) -> int:
+    """The end of a run: note any edit of ``pipeline/`` meanwhile, write the report."""
+    finish(report)
+    write_report(path, report)
+    print(f"wrote {path}")
+    return 0
 
 
 def write_report(path: Path | str, report: dict[str, Any]) -> None:
@@ -478,6 +487,55 @@ class Children:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+class Spawned:
+    """Spawned worker processes, started together: each connects, reports ready, waits for
+    :attr:`go`, works, reports its results and waits for :attr:`finish`.
+
+    ``target(spec, go, finish, ready, results)`` puts ``None`` (or an error) on ``ready``
+    once connected, so that connecting is not measured, and keeps what it must (its
+    database backends) until ``finish``, so that the parent can sample their CPU first.
+    """
+
+    def __init__(self, target: Callable[..., None], specs: Sequence[Any]) -> None:
+        context = mp.get_context("spawn")
+        self.go, self.finish = context.Event(), context.Event()
+        self._ready, self._results = context.Queue(), context.Queue()
+        self.processes = [
+            context.Process(
+                target=target,
+                args=(spec, self.go, self.finish, self._ready, self._results),
+                daemon=True,
+            )
+            for spec in specs
+        ]
+        for process in self.processes:
+            process.start()
+        try:
+            for _ in self.processes:
+                error = self._ready.get(timeout=120)
+                if error is not None:
+                    raise RuntimeError(f"a spawned process failed to start: {error}")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.processes if p.pid is not None]
+
+    def results(self, timeout: float) -> list[Any]:
+        return [self._results.get(timeout=timeout) for _ in self.processes]
+
+    def close(self) -> None:
+        """Release every process and wait for it; kill any that outlive the grace period."""
+        self.go.set()
+        self.finish.set()
+        for process in self.processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
 
 
 class OtlpSink(ThreadingHTTPServer):

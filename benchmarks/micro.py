@@ -322,11 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in strategies:
             report[name] = STRATEGIES[name](args, servers.database_url or None)
             harness.write_report(args.output, report)
-    harness.finish(report)
-    harness.write_report(args.output, report)
     print(json.dumps({name: report[name] for name in strategies}, indent=1)[:3000])
-    print(f"wrote {args.output}")
-    return 0
+    return harness.done(report, args.output)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import array
 import contextlib
-import multiprocessing as mp
 import os
 import socket
 import sys
@@ -133,12 +132,12 @@ def worker_main(spec: WorkerSpec, go: MpEvent, stop: MpEvent, ready: Any, result
         ]
         for thread in threads:
             thread.start()
-        ready.put((spec.index, None))
+        ready.put(None)
         for thread in threads:
             thread.join()
         engine.dispose()
     except BaseException as exc:
-        ready.put((spec.index, f"{type(exc).__name__}: {exc}"))
+        ready.put(f"producer {spec.index}: {type(exc).__name__}: {exc}")
         raise
     merged: dict[str, Any] = {"index": spec.index, "errors": []}
     for key in ("ends", "tx_lat", "commit_lat"):
@@ -190,47 +189,22 @@ class Producers:
     """Producer processes for one mode, connected and waiting; :meth:`go` starts them."""
 
     def __init__(self, url: str, schema: str, mode: str, clients: int, max_processes: int) -> None:
-        ctx = mp.get_context("spawn")
-        self._go, self._stop = ctx.Event(), ctx.Event()
-        ready, self._results = ctx.Queue(), ctx.Queue()
         self.split = split(clients, max_processes)
-        self.processes = [
-            ctx.Process(
-                target=worker_main,
-                args=(
-                    WorkerSpec(url, schema, mode, n, size),
-                    self._go,
-                    self._stop,
-                    ready,
-                    self._results,
-                ),
-                daemon=True,
-            )
-            for n, size in enumerate(self.split)
-        ]
-        for process in self.processes:
-            process.start()
-        try:
-            for _ in self.processes:
-                index, error = ready.get(timeout=120)
-                if error is not None:
-                    raise RuntimeError(f"producer process {index} failed to start: {error}")
-        except BaseException:
-            self.close()
-            raise
+        specs = [WorkerSpec(url, schema, mode, n, size) for n, size in enumerate(self.split)]
+        self._group = harness.Spawned(worker_main, specs)
 
     @property
     def pids(self) -> list[int]:
-        return [p.pid for p in self.processes if p.pid is not None]
+        return self._group.pids
 
     def go(self) -> None:
-        self._go.set()
+        self._group.go.set()
 
     def finish(self) -> Commits:
-        self._stop.set()
+        """Stop producing (``finish`` is their stop signal) and collect what they recorded."""
+        self._group.finish.set()
         commits = Commits(array.array("d"), array.array("d"), array.array("d"), [])
-        for _ in self.processes:
-            part = self._results.get(timeout=120)
+        for part in self._group.results(timeout=120):
             commits.ends.frombytes(part["ends"])
             commits.tx_lat.frombytes(part["tx_lat"])
             commits.commit_lat.frombytes(part["commit_lat"])
@@ -239,12 +213,7 @@ class Producers:
         return commits
 
     def close(self) -> None:
-        self._stop.set()
-        self._go.set()
-        for process in self.processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+        self._group.close()
 
 
 # -- the database's state per mode --------------------------------------------------------
@@ -563,10 +532,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name in strategies:
             report[name] = STRATEGIES[name](args, servers, schema)
             harness.write_report(args.output, report)
-    harness.finish(report)
-    harness.write_report(args.output, report)
-    print(f"wrote {args.output}")
-    return 0
+    return harness.done(report, args.output)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import bisect
 import contextlib
-import multiprocessing as mp
 import os
 import random
 import re
@@ -92,14 +91,6 @@ SQL_NAMES = ("claim", "mark_sent")
 
 
 RELAY_APP_NAME = "bench-relay"
-
-
-def join_or_kill(processes: Sequence[Any]) -> None:
-    """Wait for benchmark child processes; kill any that outlive the grace period."""
-    for process in processes:
-        process.join(timeout=30)
-        if process.is_alive():
-            process.kill()
 
 
 def registry_for() -> Registry:
@@ -501,9 +492,6 @@ def drain_inline(ctx: Context, batch_size: int) -> dict[str, Any]:
 
 def drain_parallel(ctx: Context, batch_size: int, count: int = 2) -> dict[str, Any]:
     """``count`` drainer processes at once (the relay plus publishing actors)."""
-    spawn = mp.get_context("spawn")
-    go, finish = spawn.Event(), spawn.Event()
-    ready, results = spawn.Queue(), spawn.Queue()
     specs = [
         DrainerSpec(
             ctx.url,
@@ -515,32 +503,21 @@ def drain_parallel(ctx: Context, batch_size: int, count: int = 2) -> dict[str, A
         )
         for n in range(count)
     ]
-    processes = [
-        spawn.Process(target=drainer_main, args=(spec, go, finish, ready, results), daemon=True)
-        for spec in specs
-    ]
-    for process in processes:
-        process.start()
+    drainers = harness.Spawned(drainer_main, specs)
     try:
-        for _ in processes:
-            error = ready.get(timeout=120)
-            if error is not None:
-                raise RuntimeError(f"drainer process failed to start: {error}")
         before = harness.sample()
-        go.set()
-        collected = [results.get(timeout=600) for _ in processes]
+        drainers.go.set()
+        collected = drainers.results(timeout=600)
         after = harness.sample()
     finally:
-        go.set()
-        finish.set()
-        join_or_kill(processes)
+        drainers.close()
     wall = max(r["ended"] for r in collected) - min(r["started"] for r in collected)
     sent = sum(r["sent"] for r in collected)
     batches = sum(r["batches"] for r in collected)
     phases = Phases()
     for part in collected:
         phases.merge(part["phases"])
-    pids = [p.pid for p in processes if p.pid is not None]
+    pids = drainers.pids
     return {
         "drainers": count,
         "sent": sent,
@@ -837,42 +814,21 @@ def produce_sustained(
     Returns event id -> commit time, how late each commit was against its schedule, and
     the CPU report of the window (this process = relay + observer; the producers apart).
     """
-    spawn = mp.get_context("spawn")
-    go, finish = spawn.Event(), spawn.Event()
-    ready, results = spawn.Queue(), spawn.Queue()
-    workers = [
-        spawn.Process(
-            target=producer_main,
-            args=(
-                ProducerSpec(
-                    ctx.url, ctx.settings.schema_name, n, threads, rate / processes, duration
-                ),
-                go,
-                finish,
-                ready,
-                results,
-            ),
-            daemon=True,
-        )
+    specs = [
+        ProducerSpec(ctx.url, ctx.settings.schema_name, n, threads, rate / processes, duration)
         for n in range(processes)
     ]
-    for worker in workers:
-        worker.start()
+    workers = harness.Spawned(producer_main, specs)
     try:
-        for _ in workers:
-            ready.get(timeout=120)
         before = harness.sample()
-        go.set()
-        parts = [results.get(timeout=duration + 120) for _ in workers]
+        workers.go.set()
+        parts = workers.results(timeout=duration + 120)
         after = harness.sample()
     finally:
-        go.set()
-        finish.set()
-        join_or_kill(workers)
+        workers.close()
     commits = {event_id: done for part in parts for event_id, done, _ in part}
     behind = [done - due for part in parts for _, done, due in part]
-    producer_pids = [w.pid for w in workers if w.pid is not None]
-    cpu = cpu_report(before, after, len(commits), [os.getpid()], ctx, producer_pids)
+    cpu = cpu_report(before, after, len(commits), [os.getpid()], ctx, workers.pids)
     return commits, behind, cpu
 
 
@@ -1305,10 +1261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 report["loadavg_after_section"][section] = os.getloadavg()
                 harness.write_report(args.output, report)  # keep what ran if a later one fails
     report["complete"] = True
-    harness.finish(report)
-    harness.write_report(args.output, report)
-    print(f"wrote {args.output}")
-    return 0
+    return harness.done(report, args.output)
 
 
 if __name__ == "__main__":
