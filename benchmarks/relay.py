@@ -284,15 +284,13 @@ def cpu_report(
 
 
 class Phases:
-    """Wall time per named phase, summed over a drain, and call counts."""
+    """Wall time per named phase, summed over a drain."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)
 
     def add(self, name: str, seconds: float) -> None:
         self.seconds[name] += seconds
-        self.calls[name] += 1
 
     def wrap(self, name: str, function: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
