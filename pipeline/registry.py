@@ -2,19 +2,23 @@
 
 The relay routes each event to the queues of its subscribers, and workers run the
 consumers' handlers, so both processes import the same application modules (the
-``--app`` option or ``PIPELINE_APP_MODULES``) and thereby fill the same registry.
+``--app`` option or ``PIPELINE_APP_MODULES``) and thereby fill the same registry. A
+subscription may come without a handler (a route to a consumer another process serves);
+its policy is then the settings' defaults (:meth:`Subscription.policy`).
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.config import validate_identifier
+from pipeline.config import Settings, validate_identifier
+from pipeline.envelope import ReceivedEvent
 from pipeline.errors import ConfigurationError, UnknownConsumerError
+from pipeline.policy import ConsumerPolicy
 
 WILDCARD = "*"
 RESERVED_PREFIX = "pipeline."  # the pipeline's own events (the canary), unseen by "*"
@@ -22,6 +26,34 @@ CANARY_EVENT_TYPE = "pipeline.canary"
 """The end-to-end canary's event type: committed by the relay, handled by the inbox."""
 CANARY_CONSUMER = "pipeline_canary"
 """The built-in consumer that records the canary's arrival."""
+
+
+Handler = Callable[[ReceivedEvent, Any], None]
+"""A consumer's handler: the event and its ``pipeline.inbox.HandlerContext``. The context
+belongs to the inbox, a layer above; the ``@consumer`` decorator types it exactly."""
+
+
+@dataclass(frozen=True)
+class ConsumerDefinition:
+    """A handler and what its consumer declared (None: the settings' default)."""
+
+    name: str
+    function: Handler
+    max_retries: int | None = None
+    min_backoff: float | None = None
+    max_backoff: float | None = None
+    non_retryable: tuple[type[BaseException], ...] = ()
+    time_limit: float | None = None
+
+    def policy(self, settings: Settings) -> ConsumerPolicy:
+        return ConsumerPolicy.resolve(
+            settings,
+            self.name,
+            max_retries=self.max_retries,
+            min_backoff=self.min_backoff,
+            max_backoff=self.max_backoff,
+            time_limit=self.time_limit,
+        )
 
 
 @dataclass(frozen=True)
@@ -33,8 +65,14 @@ class Subscription:
     queue: str
     actor_name: str
     ordered: bool = False
-    handler: Any = field(default=None, compare=False, hash=False)
-    """The consumer's definition (``pipeline.inbox.ConsumerDefinition``); None for routes only."""
+    handler: ConsumerDefinition | None = field(default=None, compare=False, hash=False)
+    """The consumer's definition; None for a route to a consumer served elsewhere."""
+
+    def policy(self, settings: Settings) -> ConsumerPolicy:
+        """The declared policy, or the settings' defaults when the handler is not here."""
+        if self.handler is None:
+            return ConsumerPolicy.resolve(settings, self.consumer, declared=False)
+        return self.handler.policy(settings)
 
     def accepts(self, event_type: str) -> bool:
         """Exact types, or ``"*"`` for every type except the reserved ``pipeline.*`` ones."""
@@ -104,7 +142,7 @@ class Registry:
         queue: str | None = None,
         *,
         ordered: bool = False,
-        handler: Any = None,
+        handler: ConsumerDefinition | None = None,
     ) -> Subscription:
         """Register a route; ``handler`` is None for a consumer served by another process."""
         validate_identifier(consumer, "consumer name")  # before it names a queue and an actor
@@ -144,6 +182,10 @@ class Registry:
     def all(self) -> list[Subscription]:
         with self._lock:
             return [s for _, s in sorted(self._subscriptions.items())]
+
+    def policies(self, settings: Settings) -> list[ConsumerPolicy]:
+        """Every subscribed consumer's policy (what the retention rule is judged on)."""
+        return [s.policy(settings) for s in self.all()]
 
     def clear(self) -> None:
         with self._lock:

@@ -59,12 +59,12 @@ class RetentionPolicy:
     batch_size: int = 5000
 
     @classmethod
-    def from_settings(cls, settings: Settings, min_inbox_seconds: float = 0.0) -> RetentionPolicy:
-        """The configured ages; inbox keys are kept at least ``min_inbox_seconds`` (the
-        longest retry horizon of the consumers the caller knows)."""
+    def from_settings(cls, settings: Settings) -> RetentionPolicy:
+        """The configured ages. That the inbox's covers every consumer's retry horizon is
+        checked before a pass is ever set up (:func:`pipeline.policy.require_retention`)."""
         return cls(
             outbox=settings.sent_retention_seconds,
-            inbox=max(settings.inbox_retention_seconds, min_inbox_seconds),
+            inbox=settings.inbox_retention_seconds,
             attempts=settings.attempts_retention_seconds,
             audit_log=settings.audit_retention_seconds,
             batch_size=settings.prune_batch_size,

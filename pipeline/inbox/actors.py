@@ -26,9 +26,10 @@ from sqlalchemy import Engine
 
 from pipeline.config import Settings
 from pipeline.db.connect import make_engine
-from pipeline.inbox.consumer import check_retention, definitions
+from pipeline.inbox.consumer import definitions
 from pipeline.inbox.processor import InboxProcessor, envelope_id, record_unreadable
 from pipeline.observability import metrics
+from pipeline.policy import require_retention
 from pipeline.registry import Registry, actor_name_for
 
 log = logging.getLogger("pipeline.inbox")
@@ -133,7 +134,7 @@ def declare_inbox_actors(
     broker: Any, settings: Settings, consumers: Registry, engine: ProcessEngine
 ) -> dict[str, dramatiq.Actor[Any, Any]]:
     """Bind an inbox actor for every consumer with a handler in this process."""
-    check_retention(settings, consumers)
+    require_retention(settings, consumers.policies(settings))  # before anything is declared
     broker.add_middleware(DeadLetterUnknownActors(settings, engine))
     broker.add_middleware(CountInfrastructureRetries())
     broker.undecodable_sink = lambda queue, data, reason: record_unreadable(
@@ -158,8 +159,8 @@ def declare_inbox_actors(
             "min_backoff": INFRASTRUCTURE_MIN_BACKOFF_MS,
             "max_backoff": INFRASTRUCTURE_MAX_BACKOFF_MS,
         }
-        if definition.time_limit is not None:
-            options["time_limit"] = int(definition.time_limit * 1000)
+        if processor.policy.time_limit_ms is not None:
+            options["time_limit"] = processor.policy.time_limit_ms
 
         def run(envelopes: Any, deferrals: int = 0, processor: InboxProcessor = processor) -> None:
             processor.handle(envelopes, deferrals)

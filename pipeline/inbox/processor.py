@@ -38,7 +38,6 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from pipeline.backoff import full_jitter
 from pipeline.config import Settings
 from pipeline.db.ordering import ordering_lock_bucket
 from pipeline.db.queries import queries_for
@@ -110,8 +109,7 @@ class InboxProcessor:
         self.resend = resend
         self.upcasters = upcaster_registry
         self.queries = queries_for(settings.schema_name)
-        self.max_retries = definition.retries(settings)
-        self.min_backoff, self.max_backoff = definition.backoff_bounds(settings)
+        self.policy = definition.policy(settings)
 
     # -- a message -------------------------------------------------------------------------
     def handle(self, envelopes: Any, deferrals: int = 0) -> Outcome:
@@ -398,8 +396,8 @@ class InboxProcessor:
         consumer = self.subscription.consumer
         metrics.inbox_failures.labels(consumer, event.type, type(exc).__name__).inc()
         permanent = isinstance(exc, self.definition.non_retryable)
-        dead = permanent or attempt > self.max_retries
-        delay = 0.0 if dead else self._retry_delay(attempt)
+        dead = permanent or attempt > self.policy.retries
+        delay = 0.0 if dead else self.policy.retry_delay(attempt)
         params = {
             **self._key_params(event),
             "error": error_text(exc),
@@ -440,9 +438,6 @@ class InboxProcessor:
         )
         outcome.retried += 1
         return Resend([envelope], delay)
-
-    def _retry_delay(self, attempt: int) -> float:
-        return max(self.min_backoff, full_jitter(attempt, self.min_backoff, self.max_backoff))
 
     def _key_params(self, event: ReceivedEvent) -> dict[str, Any]:
         return {

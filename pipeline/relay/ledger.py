@@ -37,6 +37,7 @@ from pipeline.config import Settings
 from pipeline.db.queries import queries_for
 from pipeline.envelope import OutboxEvent
 from pipeline.observability import metrics
+from pipeline.policy import redelivery_horizon
 from pipeline.registry import Registry, Subscription
 from pipeline.relay.drain import pack_deliveries
 from pipeline.transport.publisher import Delivery, Publisher
@@ -88,7 +89,7 @@ class DeliveryLedger:
             if not locked or not locked[0]:
                 result.skipped = True
                 return result
-            horizon = self.settings.redelivery_horizon_seconds
+            horizon = redelivery_horizon(self.settings)
             window = conn.execute(self.queries["ledger_window"], {"horizon": horizon}).fetchone()
             assert window is not None  # an upsert returns its row
             swept_to, until = window
@@ -190,7 +191,7 @@ class DeliveryLedger:
                 extra={
                     "consumer": consumer,
                     "count": count,
-                    "horizon_seconds": self.settings.redelivery_horizon_seconds,
+                    "horizon_seconds": redelivery_horizon(self.settings),
                 },
             )
 

@@ -160,7 +160,7 @@ def test_missing_trigger_and_clock_skew_are_flagged(doctor_settings):
     url = doctor_settings.require_database_url()
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute("DROP TRIGGER outbox_notify ON pipeline.outbox")
-    report: Report = run_doctor(doctor_settings, {}, clock=lambda: time.time() - 5.0)
+    report: Report = run_doctor(doctor_settings, [], clock=lambda: time.time() - 5.0)
     found = {f.check: f for f in report.findings if f.status == "problem"}
     assert found["triggers"].summary == "trigger outbox_notify on outbox is missing"
     assert "`pipeline db upgrade` re-applies functions.sql" in found["triggers"].fix

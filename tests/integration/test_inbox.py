@@ -332,20 +332,6 @@ def test_garbage_and_unknown_consumer_messages_are_dead_lettered(engine, inbox_s
     assert "not json at all" in raw
 
 
-def test_retention_shorter_than_retry_horizon_is_refused(settings):
-    from pipeline.errors import ConfigurationError
-    from pipeline.inbox.consumer import check_retention, consumer
-
-    routes = Registry()
-    consumer("slowpoke", ["x"], max_retries=10, max_backoff=3600, registry=routes)(
-        lambda event, ctx: None
-    )
-    bounded = settings.replace(redelivery_horizon_seconds=60)
-    with pytest.raises(ConfigurationError, match="retry horizon of 36060 s"):
-        check_retention(bounded.replace(inbox_retention_seconds=36059), routes)
-    check_retention(bounded.replace(inbox_retention_seconds=36060), routes)
-
-
 def test_a_dead_lettered_envelope_does_not_block_its_key_for_an_ordered_consumer(
     engine, inbox_settings
 ):

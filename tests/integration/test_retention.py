@@ -18,11 +18,13 @@ import pytest
 
 from pipeline.config import Settings
 from pipeline.db.retention import TABLES, Pruner, RetentionPolicy
+from pipeline.policy import ConsumerPolicy, retention_problems
 from tests.support import pipeline_env, start_process, stop_process, wait_until
 
 OLD = 2000.0  # seconds ago: past every retention below
 YOUNG = 100.0  # seconds ago: inside every retention
 RETENTION = 1000
+SLOW_APP = "tests.apps.slow_retry_app"  # consumer slowpoke: 10 retries, up to 3600 s apart
 
 
 @pytest.fixture
@@ -255,17 +257,6 @@ def test_prune_deletes_exactly_the_expired_rows_and_nothing_still_needed(retenti
         assert pruner.run(conn).deleted == 0
 
 
-def test_inbox_keys_younger_than_the_retry_horizon_are_kept(retention_settings):
-    url = retention_settings.require_database_url()
-    with psycopg.connect(url, autocommit=True) as conn:
-        Seeder(conn).inbox("a", uuid.uuid4(), "processed", OLD, gone=False)
-    policy = RetentionPolicy.from_settings(retention_settings, min_inbox_seconds=OLD + 600)
-    with psycopg.connect(url, autocommit=True) as conn:
-        result = Pruner("pipeline", policy).run(conn)
-    assert result.deleted == 0
-    assert len(remaining(url)["inbox"]) == 1
-
-
 def prune_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
     env = pipeline_env(
         settings,
@@ -327,6 +318,60 @@ def test_dry_run_changes_nothing_and_reports_what_prune_then_deletes(retention_s
     text = prune_cli(retention_settings, "--dry-run")
     assert text.returncode == 0
     assert text.stdout.splitlines()[0] == "prune (dry run): would delete 0 rows"
+
+
+def test_prune_and_doctor_judge_a_short_inbox_retention_in_the_words_a_worker_refuses_with(
+    retention_settings,
+):
+    """The same settings and consumers as a worker that refuses to start (the unit tests
+    show the worker, relay and janitor refusing): prune refuses too, dry run or not, and
+    deletes nothing; the doctor reports the same line as its problem and fix. One second
+    more and prune runs."""
+    url = retention_settings.require_database_url()
+    seed(url)
+    before = checksums(url)
+    slow = ConsumerPolicy.resolve(retention_settings, "slowpoke", max_retries=10, max_backoff=3600)
+    short = int(slow.retry_horizon) - 1
+    (problem,) = retention_problems(
+        retention_settings.replace(inbox_retention_seconds=short), [slow]
+    )
+    env = {
+        "PIPELINE_SENT_RETENTION_SECONDS": str(RETENTION),
+        "PIPELINE_INBOX_RETENTION_SECONDS": str(short),
+        "PIPELINE_ATTEMPTS_RETENTION_SECONDS": str(RETENTION),
+        "PIPELINE_AUDIT_RETENTION_SECONDS": str(RETENTION),
+    }
+
+    for args in (["--dry-run"], []):
+        refused = cli(retention_settings, SLOW_APP, "prune", *args, **env)
+        assert refused.returncode == 1, refused.stdout
+        assert refused.stderr.strip().splitlines() == [f"pipeline: error: {problem}"]
+    assert checksums(url) == before  # nothing deleted, not even an audit record
+
+    doctor = cli(retention_settings, SLOW_APP, "doctor", "--json", **env)
+    assert doctor.returncode == 1, doctor.stderr
+    (finding,) = [
+        f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "inbox_retention"
+    ]
+    assert finding["status"] == "problem"
+    assert finding["summary"] == problem.summary
+    assert finding["fix"].startswith(f"{problem.fix} (")
+
+    env["PIPELINE_INBOX_RETENTION_SECONDS"] = str(problem.needed)
+    done = cli(retention_settings, SLOW_APP, "prune", "--json", **env)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["deleted"] > 0  # what the refusals held back
+
+
+def cli(settings: Settings, app: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline.tools.cli", *args],
+        env=pipeline_env(settings, app, **env),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
 
 
 def test_prune_refuses_while_another_pass_holds_the_lock(retention_settings):

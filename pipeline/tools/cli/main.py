@@ -18,6 +18,7 @@ from pipeline.errors import PipelineError
 
 if TYPE_CHECKING:
     from pipeline.observability.metrics import MetricsServer
+    from pipeline.policy import ConsumerPolicy
     from pipeline.runtime import Runtime
 
 
@@ -440,6 +441,7 @@ def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
 
     from pipeline.db.connect import connect
     from pipeline.driver_errors import wrap_driver_errors
+    from pipeline.policy import redelivery_horizon
     from pipeline.tools.ops.lineage import load_lineage, render
 
     try:
@@ -449,7 +451,7 @@ def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
     settings = _settings(ctx)
     with wrap_driver_errors(settings), connect(settings) as conn:
         lineage = load_lineage(
-            conn, settings.schema_name, wanted, horizon=settings.redelivery_horizon_seconds
+            conn, settings.schema_name, wanted, horizon=redelivery_horizon(settings)
         )
     if as_json:
         click.echo(json.dumps(lineage.as_json(), indent=2))
@@ -457,16 +459,15 @@ def trace_command(ctx: click.Context, event_id: str, as_json: bool) -> None:
         click.echo("\n".join(render(lineage, settings.trace_ui_url)))
 
 
-def _retry_horizons(settings: Settings) -> dict[str, float]:
-    """Each registered consumer's retry horizon (seconds), after importing the app modules."""
+def _consumer_policies(settings: Settings) -> list[ConsumerPolicy]:
+    """Every registered consumer's policy, after importing the app modules."""
     from pipeline.inbox.canary import register_canary
-    from pipeline.inbox.consumer import definitions
     from pipeline.registry import registry
     from pipeline.runtime import import_app_modules
 
     import_app_modules(settings.app_module_names())
     register_canary(registry)
-    return {s.consumer: d.retry_horizon(settings) for s, d in definitions(registry)}
+    return registry.policies(settings)
 
 
 @cli.command()
@@ -486,8 +487,7 @@ def prune(ctx: click.Context, dry_run: bool, as_json: bool, apps: tuple[str, ...
     from pipeline.tools.ops.prune import format_prune, run_prune
 
     settings = _with_apps(_settings(ctx), apps)
-    horizon = max([settings.redelivery_horizon_seconds, *_retry_horizons(settings).values()])
-    result = run_prune(settings, dry_run=dry_run, min_inbox_seconds=horizon)
+    result = run_prune(settings, _consumer_policies(settings), dry_run=dry_run)
     if as_json:
         click.echo(json.dumps(result.as_json(), indent=2))
     else:
@@ -511,7 +511,7 @@ def doctor(ctx: click.Context, as_json: bool, apps: tuple[str, ...]) -> None:
 
     settings = _with_apps(_settings(ctx), apps)
     settings.require_database_url()
-    report = run_doctor(settings, _retry_horizons(settings))
+    report = run_doctor(settings, _consumer_policies(settings))
     if as_json:
         click.echo(json.dumps(report.as_json(), indent=2))
     else:

@@ -14,7 +14,8 @@ What is checked, and how:
   time differing from the server's ``pg_backend_pid()`` (PgBouncer invents its own);
   session pooling passes the round trip and is reported as info.
 * **notify queue**: ``pg_notification_queue_usage()`` above half full is a problem.
-* **settings**: inbox retention at least every known consumer's retry horizon, and the
+* **settings**: inbox retention at least every known consumer's retry horizon (the rule
+  of :mod:`pipeline.policy`, which workers, relays and ``pipeline prune`` enforce), and the
   lease at least ten times a full batch's estimated publish time (measured round trips
   to Postgres and Redis plus the measured cost of encoding a batch); a stalled server is
   not covered: it is bounded by the clients' timeouts, and a lease that expires only
@@ -32,7 +33,7 @@ import re
 import statistics
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -57,6 +58,12 @@ from pipeline.db.queries import queries_for
 from pipeline.db.tables import metadata
 from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.errors import ServiceUnavailableError
+from pipeline.policy import (
+    ConsumerPolicy,
+    longest_retry_horizon,
+    redelivery_horizon,
+    retention_problems,
+)
 from pipeline.registry import CANARY_CONSUMER
 from pipeline.tools.ops.state import redis_client
 
@@ -95,11 +102,11 @@ class Report:
 
 def run_doctor(
     settings: Settings,
-    retry_horizons: dict[str, float],
+    consumers: Sequence[ConsumerPolicy],
     *,
     clock: Callable[[], float] = time.time,
 ) -> Report:
-    """Every check against the configured servers; ``retry_horizons`` per known consumer."""
+    """Every check against the configured servers; ``consumers``: the known consumers."""
     report = Report()
     pg_rtt = None
     try:
@@ -125,8 +132,8 @@ def run_doctor(
     else:
         _check_listen(settings, report)
     redis_rtt = _check_redis(settings, report)
-    _check_retention(settings, retry_horizons, report)
-    _check_lease(settings, len(retry_horizons), pg_rtt, redis_rtt, report)
+    _check_retention(settings, consumers, report)
+    _check_lease(settings, len(consumers), pg_rtt, redis_rtt, report)
     return report
 
 
@@ -449,7 +456,7 @@ def _redis_config(client: redis.Redis) -> dict[str, str]:
 
 
 def _persistence(config: dict[str, str], settings: Settings) -> str:
-    horizon = settings.redelivery_horizon_seconds
+    horizon = redelivery_horizon(settings)
     aof = config.get("appendonly") == "yes"
     snapshots = config.get("save", "").strip()
     if aof:
@@ -475,27 +482,32 @@ def _text(value: Any) -> str:
 
 
 # -- settings --------------------------------------------------------------------------------
-def _check_retention(settings: Settings, horizons: dict[str, float], report: Report) -> None:
-    backoff = max(settings.consumer_backoff_min, settings.consumer_backoff_max)
-    default = settings.consumer_max_retries * backoff + settings.redelivery_horizon_seconds
-    known = {"(consumers using the default retries)": default, **horizons}
-    name, longest = max(known.items(), key=lambda item: item[1])
-    retention = settings.inbox_retention_seconds
-    if retention < longest:
+def _check_retention(
+    settings: Settings, consumers: Sequence[ConsumerPolicy], report: Report
+) -> None:
+    """The retention rule's first problem, in the words a worker would refuse with."""
+    problems = retention_problems(settings, consumers)
+    if problems:
+        first = problems[0]
         report.add(
             "inbox_retention",
             "problem",
-            f"PIPELINE_INBOX_RETENTION_SECONDS={retention} is shorter than the retry horizon "
-            f"of {name} ({longest:.0f}s): a late copy of an event could be processed twice",
-            f"set PIPELINE_INBOX_RETENTION_SECONDS to at least {longest:.0f} "
-            "(relays and workers refuse to start until then)",
+            first.summary,
+            f"{first.fix} (workers, relays and `pipeline prune` refuse to run until then)",
         )
-    else:
-        report.add(
-            "inbox_retention",
-            "ok",
-            f"inbox retention {retention}s covers the longest retry horizon ({longest:.0f}s)",
-        )
+        return
+    longest = longest_retry_horizon(consumers)
+    covered = (
+        f" of consumer {longest.consumer!r} ({longest.retry_horizon:g}s)"
+        if longest is not None
+        else " (no consumer known: pass --app)"
+    )
+    report.add(
+        "inbox_retention",
+        "ok",
+        f"inbox retention {settings.inbox_retention_seconds}s covers the longest retry "
+        f"horizon{covered}",
+    )
 
 
 def _check_lease(

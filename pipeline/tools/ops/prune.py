@@ -3,11 +3,14 @@
 The same pass as the relay's janitor (:mod:`pipeline.db.retention`), under the same
 lock: if a janitor is pruning, this command says so and exits non-zero. A real prune
 leaves an audit record (who, the ages used, how many rows); a dry run writes nothing.
+Like the janitor, it refuses an inbox retention shorter than a known consumer's retry
+horizon (:func:`pipeline.policy.require_retention`), dry run or not.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import psycopg
@@ -17,6 +20,7 @@ from pipeline.db.connect import connect
 from pipeline.db.queries import queries_for
 from pipeline.db.retention import Pruner, PruneResult, RetentionPolicy
 from pipeline.errors import MigrationError, PipelineError
+from pipeline.policy import ConsumerPolicy, require_retention
 from pipeline.tools.ops.audit import os_user
 
 
@@ -24,9 +28,13 @@ class PruneBusyError(PipelineError):
     """Another prune pass (a relay's janitor, or another ``pipeline prune``) holds the lock."""
 
 
-def run_prune(settings: Settings, *, dry_run: bool, min_inbox_seconds: float) -> PruneResult:
-    """Prune (or count) now; raises :class:`PruneBusyError` when another pass runs."""
-    policy = RetentionPolicy.from_settings(settings, min_inbox_seconds=min_inbox_seconds)
+def run_prune(
+    settings: Settings, consumers: Iterable[ConsumerPolicy], *, dry_run: bool
+) -> PruneResult:
+    """Prune (or count) now; raises :class:`PruneBusyError` when another pass runs, and
+    ``ConfigurationError`` when the inbox retention is short for one of ``consumers``."""
+    require_retention(settings, consumers)
+    policy = RetentionPolicy.from_settings(settings)
     pruner = Pruner(settings.schema_name, policy)
     with connect(settings, autocommit=True) as conn:
         try:

@@ -29,6 +29,7 @@ from pipeline.config import Settings
 from pipeline.db.connect import connect
 from pipeline.db.queries import queries_for
 from pipeline.errors import MigrationError, ServiceUnavailableError
+from pipeline.policy import redelivery_horizon
 
 log = logging.getLogger("pipeline.state")
 
@@ -212,7 +213,7 @@ class StateCollector(Collector):
                 self._conn = connect(self.settings, autocommit=True)
                 self._conn.execute("SET statement_timeout = '5s'")
             return read_database_state(
-                self._conn, self.settings.schema_name, self.settings.redelivery_horizon_seconds
+                self._conn, self.settings.schema_name, redelivery_horizon(self.settings)
             )
         except (psycopg.Error, ServiceUnavailableError, MigrationError) as exc:
             log.warning("state metrics: Postgres unreadable", extra={"error_class": _name(exc)})

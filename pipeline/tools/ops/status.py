@@ -16,6 +16,7 @@ from typing import Any
 from pipeline.config import Settings
 from pipeline.db.connect import connect
 from pipeline.driver_errors import wrap_driver_errors
+from pipeline.policy import redelivery_horizon
 from pipeline.tools.ops.activity import ConsumerActivity, format_activity, read_activity
 from pipeline.tools.ops.state import (
     QueueDepth,
@@ -72,9 +73,7 @@ def read_status(
     """
     with wrap_driver_errors(settings), connect(settings, autocommit=True) as conn:
         conn.execute("SET statement_timeout = '10s'")
-        database = read_database_state(
-            conn, settings.schema_name, settings.redelivery_horizon_seconds
-        )
+        database = read_database_state(conn, settings.schema_name, redelivery_horizon(settings))
         relays = read_relays(conn, settings.schema_name)
         activity = read_activity(conn, settings.schema_name, interval, consumers or ())
     depths: dict[str, QueueDepth] | None = None
@@ -99,7 +98,7 @@ def read_status(
             f"oldest unsent event is {database.oldest_pending_age_seconds:.0f}s old "
             f"(threshold {thresholds.max_pending_age_seconds:.0f}s)"
         )
-    horizon = settings.redelivery_horizon_seconds
+    horizon = redelivery_horizon(settings)
     for consumer, owed in sorted(database.owed.items()):
         if owed:
             held = database.keys_held.get(consumer, 0)
