@@ -147,7 +147,7 @@ def require_retention(settings: Settings, consumers: Iterable[ConsumerPolicy]) -
         raise ConfigurationError(str(problems[0]))
 
 
-def longest_retry_horizon(consumers: Iterable[ConsumerPolicy]) -> ConsumerPolicy | None:
+def consumer_with_longest_horizon(consumers: Iterable[ConsumerPolicy]) -> ConsumerPolicy | None:
     """The consumer a copy of an event may reach latest; None when there are none."""
     return min(consumers, key=_longest_first, default=None)
 

@@ -18,7 +18,7 @@ from pipeline.errors import ConfigurationError
 from pipeline.inbox.consumer import consumer
 from pipeline.policy import (
     ConsumerPolicy,
-    longest_retry_horizon,
+    consumer_with_longest_horizon,
     redelivery_horizon,
     require_retention,
     retention_problems,
@@ -95,7 +95,7 @@ def test_retention_problems_are_the_consumers_not_covered_longest_first():
 
     covered = settings(inbox_retention_seconds=HORIZON)  # equal is enough
     assert retention_problems(covered, routes.policies(covered)) == []
-    longest = longest_retry_horizon(routes.policies(covered))
+    longest = consumer_with_longest_horizon(routes.policies(covered))
     assert longest is not None and longest.consumer == "slowpoke"
 
 

@@ -60,7 +60,7 @@ from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.errors import ServiceUnavailableError
 from pipeline.policy import (
     ConsumerPolicy,
-    longest_retry_horizon,
+    consumer_with_longest_horizon,
     redelivery_horizon,
     retention_problems,
 )
@@ -496,7 +496,7 @@ def _check_retention(
             f"{first.fix} (workers, relays and `pipeline prune` refuse to run until then)",
         )
         return
-    longest = longest_retry_horizon(consumers)
+    longest = consumer_with_longest_horizon(consumers)
     covered = (
         f" of consumer {longest.consumer!r} ({longest.retry_horizon:g}s)"
         if longest is not None
