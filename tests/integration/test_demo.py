@@ -261,7 +261,7 @@ def test_unreachable_database_is_one_clear_line():
 def test_payment_api_honours_idempotency_keys_like_stripe():
     import httpx
 
-    from pipeline.tools.demo.payment_api import PaymentServer
+    from pipeline.tools.harness.payment_api import PaymentServer
 
     api = PaymentServer(delay=0.3).start()
     try:

@@ -16,14 +16,11 @@ from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from pipeline import add_event
-from pipeline.tools.demo.payment_api import PaymentServer
 from pipeline.tools.drill.check import check_run
 from pipeline.tools.drill.faults import Fault
 from pipeline.tools.drill.report import RunFacts, build_report, exit_code, render_text
 from pipeline.tools.drill.sql import DrillQueries
 from pipeline.tools.drill.workflow import (
-    CHARGES_PATH,
-    EMAILS_PATH,
     LEDGER,
     NOTIFICATIONS,
     ORDER_PLACED,
@@ -33,6 +30,7 @@ from pipeline.tools.drill.workflow import (
     SHIPPING,
     ordering_key,
 )
+from pipeline.tools.harness.payment_api import CHARGES_PATH, EMAILS_PATH, PaymentServer
 
 RUN = "r1"
 ACCOUNT = "acct-0001"

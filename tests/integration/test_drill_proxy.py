@@ -14,15 +14,22 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pipeline.tools.drill.proxy import ProxyProcess
+from pipeline.tools.harness.fleet import Fleet
 
 
 @pytest.fixture
 def proxy(redis_server_url: str, tmp_path) -> Iterator[ProxyProcess]:
     target = urlsplit(redis_server_url)
-    with (tmp_path / "proxy.log").open("ab") as log:
-        value = ProxyProcess.start(target.hostname or "127.0.0.1", target.port or 6379, log)
-        yield value
-        value.close()
+    fleet = Fleet()
+    try:
+        with (tmp_path / "proxy.log").open("ab") as log:
+            value = ProxyProcess.start(
+                fleet, target.hostname or "127.0.0.1", target.port or 6379, log
+            )
+            yield value
+            value.close()
+    finally:
+        fleet.close()
     assert value.process.returncode == 0  # stdin closed: the proxy ends by itself
 
 

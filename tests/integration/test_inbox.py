@@ -22,7 +22,7 @@ from pipeline import NewEvent, Settings, configure
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
-from pipeline.tools.demo.payment_api import PaymentServer
+from pipeline.tools.harness.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
 from tests.support import (
     multiprocess_metric,

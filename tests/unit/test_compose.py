@@ -109,8 +109,8 @@ def test_pipeline_commands_exist(name):
     elif args[:2] == ["python", "-m"]:
         module = args[2]
         assert importlib.util.find_spec(module) is not None, module
-        if module == "pipeline.tools.demo.payment_api":
-            from pipeline.tools.demo.payment_api import build_parser
+        if module == "pipeline.tools.harness.payment_api":
+            from pipeline.tools.harness.payment_api import build_parser
 
             build_parser().parse_args(args[3:])
 

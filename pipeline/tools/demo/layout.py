@@ -21,9 +21,9 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from pipeline.config import Settings, load_settings, redact_url
 from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError, EmbeddedServerError
-from pipeline.tools.demo.cleanup import Cleanup
 from pipeline.tools.demo.sql import DemoQueries
 from pipeline.tools.demo.workload import SKUS, STOCK_PER_SKU
+from pipeline.tools.harness.cleanup import Cleanup
 from pipeline.transport.namespace import delete_namespace
 
 APP_MODULE = "pipeline.tools.demo.app"

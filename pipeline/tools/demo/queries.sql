@@ -1,12 +1,7 @@
--- Named queries of `pipeline demo`, loaded once by pipeline/tools/demo/sql.py.
+-- Named queries of `pipeline demo` (pipeline/tools/demo/sql.py; the shared ones are in tools/harness).
 -- {app} is the demo's business schema, {schema} the pipeline's schema (quoted identifiers);
 -- values are %(name)s parameters. Every row of a demo run carries the run id, so the
 -- summary of one run never counts another's rows.
-
--- name: create_schema
--- A schema of this run's own: fails if it exists, so the demo never writes into (or later
--- drops) a schema it did not create.
-CREATE SCHEMA {app};
 
 -- name: create_tables
 -- Business tables. The effect tables have no unique key on order_id on purpose: a handler
@@ -84,10 +79,6 @@ VALUES (%(run)s, %(order_id)s, %(message_id)s);
 
 -- name: confirm_order
 UPDATE {app}.demo_orders SET status = 'confirmed' WHERE order_id = %(order_id)s;
-
--- name: relays_alive
-SELECT count(*) FROM {schema}.relay_state
-WHERE heartbeat_at > clock_timestamp() - interval '10 seconds';
 
 -- name: consumer_progress
 -- Per consumer: events of this run processed and dead-lettered.

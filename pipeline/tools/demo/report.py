@@ -17,9 +17,10 @@ from typing import Any
 from sqlalchemy import Engine
 
 from pipeline.inbox.idempotency import idempotency_key
-from pipeline.tools.demo.app import CHARGES_PATH, CONFIRMATION_STEP, EMAILS_PATH
+from pipeline.tools.demo.app import CONFIRMATION_STEP
 from pipeline.tools.demo.sql import DemoQueries
 from pipeline.tools.demo.workload import poison_order_id
+from pipeline.tools.harness.payment_api import CHARGES_PATH, EMAILS_PATH
 from pipeline.tools.ops.lineage import trace_url
 
 CONSUMERS = ("payments", "inventory", "notifications")

@@ -6,17 +6,19 @@
 2. Schema: migrations, then the business tables; against a configured database the
    demo makes schemas of its own, named after the run, and drops only those.
 3. Processes: ``pipeline relay`` and ``pipeline worker`` as children with
-   ``PIPELINE_APP_MODULES=pipeline.tools.demo.app`` (:mod:`pipeline.tools.demo.processes`), and the
-   payment/e-mail API in-process (``--external``: relay, workers and API are already
-   running, e.g. docker-compose).
+   ``PIPELINE_APP_MODULES=pipeline.tools.demo.app`` (:mod:`pipeline.tools.demo.processes`),
+   and the payment/e-mail API (:mod:`pipeline.tools.harness.payment_api`) in-process
+   (``--external``: relay, workers and API are already running, e.g. docker-compose).
 4. Load: orders at ``--rate``, one poison order, duplicate deliveries and transient
    handler failures (:mod:`pipeline.tools.demo.workload`); a progress bar until every order is
    confirmed or dead-lettered.
 5. Summary and invariants (:mod:`pipeline.tools.demo.report`); exit 1 when one fails.
 
 Whatever was started is stopped again, newest first, within a few seconds, on success,
-error, Ctrl-C or SIGTERM (:mod:`pipeline.tools.demo.cleanup`); if the demo itself is killed,
-its watchdog process kills the relay, workers and servers and deletes its files.
+error, Ctrl-C or SIGTERM (:mod:`pipeline.tools.harness.cleanup`); if the demo itself is
+killed, the watchdog processes of its fleet and servers (:mod:`pipeline.tools.harness.fleet`)
+kill the relay, workers and servers and delete its files. Waiting for the relay and
+workers to start is bounded by their progress (:mod:`pipeline.tools.harness.readiness`).
 """
 
 from __future__ import annotations
@@ -39,23 +41,19 @@ from sqlalchemy import Engine
 from pipeline.config import configure, redact_url
 from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError
-from pipeline.tools.demo.cleanup import Cleanup
 from pipeline.tools.demo.layout import APP_MODULE, Layout, plan_layout, prepare_database
 from pipeline.tools.demo.outcomes import duplicates_reader, fetch_ledger
-from pipeline.tools.demo.processes import (
-    WORKER_READY_LINE,
-    ChildProcess,
-    count_in_file,
-    start_pipeline,
-    stop_all,
-)
+from pipeline.tools.demo.processes import STOP_GRACE_SECONDS, died, start_pipeline
 from pipeline.tools.demo.progress import Console, Snapshot
 from pipeline.tools.demo.report import CONSUMERS, RunFacts, build_summary, render_text
 from pipeline.tools.demo.sql import DemoQueries
 from pipeline.tools.demo.workload import DuplicateInjector, OrderProducer
-from pipeline.tools.harness.watchdog import Watchdog
+from pipeline.tools.harness.cleanup import Cleanup
+from pipeline.tools.harness.commands import workers_ready
+from pipeline.tools.harness.fleet import Child, Fleet
+from pipeline.tools.harness.readiness import wait_ready
 
-READY_TIMEOUT = 60.0
+SHUTDOWN_BUDGET_SECONDS = 8.0
 DUPLICATES_TIMEOUT = 20.0
 THREAD_STOP_SECONDS = 2.0
 TICK = 0.2
@@ -83,7 +81,7 @@ class DemoOptions:
 def run_demo(options: DemoOptions) -> int:
     """Run the demo; returns the exit code (0 ok, 1 invariant failed, 130 interrupted)."""
     console = Console(quiet=options.as_json)
-    cleanup = Cleanup(console.warn)
+    cleanup = Cleanup(console.warn, SHUTDOWN_BUDGET_SECONDS)
     demo = _Demo(options, console, cleanup)
     previous = {sig: signal.signal(sig, demo.on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -114,10 +112,10 @@ class _Demo:
         self.cleanup = cleanup
         self.run_id = uuid.uuid4().hex[:8]
         self.started = time.monotonic()
-        self.children: list[ChildProcess] = []
+        self.children: list[Child] = []
         self.keep_logs = False
         self.log_dir: Path | None = None
-        self.watchdog = Watchdog()
+        self.fleet = Fleet()
         self.endpoints: dict[str, str] = {}
         self.notes: list[str] = []
         self.stop_requested = False
@@ -161,7 +159,7 @@ class _Demo:
         settings = layout.settings
         prepare_database(engine, queries, layout, options.keep_data, self.cleanup, self.notes)
 
-        from pipeline.tools.demo.payment_api import PaymentServer
+        from pipeline.tools.harness.payment_api import PaymentServer
 
         api: PaymentServer | None = None
         api_url = options.api_url
@@ -282,30 +280,19 @@ class _Demo:
 
     # -- set-up ----------------------------------------------------------------------------
     def _make_log_dir(self) -> None:
-        # The watchdog's undo is pushed first, so it runs last: it is told "nothing left"
-        # once everything else is undone, and deletes the logs itself if the demo dies.
-        self.watchdog.start()
-        self.cleanup.push("stop the watchdog", self._release_watchdog)
+        # The fleet's undo is pushed first, so it runs last: its watchdog is told "nothing
+        # left" once everything else is undone, and deletes the logs itself if the demo dies.
+        self.fleet.open()
+        self.cleanup.push("stop the fleet's watchdog", self.fleet.close)
         self.log_dir = Path(tempfile.mkdtemp(prefix=f"pipeline-demo-{self.run_id}-"))
         log_dir = self.log_dir
-        self._guard()
+        self.fleet.remove_on_death(log_dir)
 
         def remove() -> None:
             if not self.keep_logs:
                 shutil.rmtree(log_dir, ignore_errors=True)
 
         self.cleanup.push("remove the demo's temporary directory", remove)
-
-    def _guard(self) -> None:
-        """Tell the watchdog what to kill and delete should the demo die from now on."""
-        self.watchdog.guard(
-            kill=[child.process.pid for child in self.children if child.running()],
-            remove=[self.log_dir] if self.log_dir is not None else [],
-        )
-
-    def _release_watchdog(self) -> None:
-        self.watchdog.guard()
-        self.watchdog.close()
 
     def _describe_setup(self, layout: Layout) -> None:
         options = self.options
@@ -329,16 +316,16 @@ class _Demo:
         )
         children = self.children
 
-        def started(child: ChildProcess) -> None:
+        def started(child: Child) -> None:
             if not children:
                 self.cleanup.push(
                     "stop the relay and workers",
-                    lambda: stop_all(children, self.cleanup.remaining),
+                    lambda: self.fleet.stop(children, STOP_GRACE_SECONDS, self.cleanup.remaining),
                 )
             children.append(child)
-            self._guard()
 
         running = start_pipeline(
+            self.fleet,
             layout.settings,
             self.log_dir,
             {
@@ -365,26 +352,30 @@ class _Demo:
         self.cleanup.push(what, undo)
 
     def _wait_ready(self, engine: Engine, queries: DemoQueries) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT
+        """Wait for a live relay and every worker process, while the children are moving."""
         workers = self.children[1] if len(self.children) > 1 else None
-        while True:
-            self._check_children()
+        state = {"relays": 0}
+
+        def ready() -> bool:
             with engine.connect() as connection:
-                relays = connection.exec_driver_sql(queries.text("relays_alive")).scalar_one()
-            ready = workers is None or (
-                count_in_file(workers.log_path, WORKER_READY_LINE) >= self.options.processes
+                state["relays"] = connection.exec_driver_sql(
+                    queries.text("relays_alive")
+                ).scalar_one()
+            return bool(state["relays"]) and (
+                workers is None or workers_ready(workers, self.options.processes)
             )
-            if relays and ready:
-                break
-            if time.monotonic() > deadline:
-                if not relays:
-                    raise DemoError(
-                        f"no relay is running on schema {queries.schema!r} after "
-                        f"{READY_TIMEOUT:g} s (with --external, start `pipeline relay` with "
-                        f"PIPELINE_APP_MODULES={APP_MODULE})"
-                    )
-                raise DemoError(f"the workers were not ready after {READY_TIMEOUT:g} s")
-            time.sleep(0.1)
+
+        def stalled(seconds: float) -> DemoError:
+            waited = "moved" if self.children else "came up"
+            if not state["relays"]:
+                return DemoError(
+                    f"no relay is running on schema {queries.schema!r}: nothing {waited} for "
+                    f"{seconds:.0f} s (with --external, start `pipeline relay` with "
+                    f"PIPELINE_APP_MODULES={APP_MODULE})"
+                )
+            return DemoError(f"the workers were not ready: nothing {waited} for {seconds:.0f} s")
+
+        wait_ready(ready, self.children, died=died, stalled=stalled, check=self._check_children)
         self.console.step(f"relay and workers ready after {time.monotonic() - self.started:.1f} s")
 
     def _check_children(self) -> None:
@@ -393,7 +384,7 @@ class _Demo:
             raise KeyboardInterrupt
         for child in self.children:
             if not child.running():
-                raise child.died()
+                raise died(child)
 
     # -- while it runs ---------------------------------------------------------------------
     def _watch(

@@ -10,7 +10,6 @@ would; the inbox must absorb every copy.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
@@ -24,6 +23,7 @@ from pipeline.envelope import OutboxEvent
 from pipeline.outbox import add_event
 from pipeline.registry import Registry
 from pipeline.tools.demo.sql import DemoQueries
+from pipeline.tools.harness.workload import LoadThread, wait_turn
 from pipeline.transport.publisher import Delivery, Publisher
 
 SKUS = 200
@@ -65,7 +65,7 @@ def make_poison_order(run: str) -> dict[str, Any]:
     }
 
 
-class OrderProducer(threading.Thread):
+class OrderProducer(LoadThread):
     """Places ``count`` orders (plus the poison one) at ``rate`` per second, then stops."""
 
     def __init__(
@@ -78,17 +78,11 @@ class OrderProducer(threading.Thread):
         poison: bool,
         seed: int | None = None,
     ) -> None:
-        super().__init__(name="demo-producer", daemon=True)
-        self.engine = engine
-        self.queries = queries
+        super().__init__("demo-producer", engine, queries, rate)
         self.run_id = run
         self.count = count
-        self.rate = rate
         self.poison = poison
         self.rng = random.Random(seed)
-        self.stop = threading.Event()
-        self.placed = 0
-        self.error: BaseException | None = None
 
     @property
     def total(self) -> int:
@@ -97,23 +91,16 @@ class OrderProducer(threading.Thread):
     def finished(self) -> bool:
         return self.placed >= self.total
 
-    def run(self) -> None:
+    def work(self) -> None:
         orders = [make_order(self.run_id, n, self.rng) for n in range(1, self.count + 1)]
         if self.poison:
             orders.insert(len(orders) // 2, make_poison_order(self.run_id))
         started = time.monotonic()
-        try:
-            for index, order in enumerate(orders):
-                if self.rate > 0:
-                    delay = started + index / self.rate - time.monotonic()
-                    if delay > 0 and self.stop.wait(delay):
-                        return
-                if self.stop.is_set():
-                    return
-                self._place(order)
-                self.placed += 1
-        except Exception as exc:  # reported by the main thread as one line
-            self.error = exc
+        for index, order in enumerate(orders):
+            if not wait_turn(started, index, self.rate, self.stop):
+                return
+            self._place(order)
+            self.placed += 1
 
     def _place(self, order: dict[str, Any]) -> None:
         """One business transaction: the order row and its event commit together, or neither."""
@@ -130,7 +117,7 @@ class OrderProducer(threading.Thread):
             )
 
 
-class DuplicateInjector(threading.Thread):
+class DuplicateInjector(LoadThread):
     """Delivers a random ``rate`` of this run's sent events a second time.
 
     ``injected`` counts the extra deliveries per consumer exactly: every one of them
@@ -149,19 +136,14 @@ class DuplicateInjector(threading.Thread):
         interval: float = 0.2,
         seed: int | None = None,
     ) -> None:
-        super().__init__(name="demo-duplicates", daemon=True)
+        super().__init__("demo-duplicates", engine, queries, rate)
         self.settings = settings
-        self.engine = engine
-        self.queries = queries
         self.run_id = run
         self.routes = routes
         self.publisher = publisher
-        self.rate = rate
         self.interval = interval
         self.rng = random.Random(seed)
-        self.stop = threading.Event()
         self.injected: Counter[str] = Counter()
-        self.error: BaseException | None = None
         self._seen: set[str] = set()
         self._since: datetime | None = None
 
@@ -169,12 +151,9 @@ class DuplicateInjector(threading.Thread):
     def total(self) -> int:
         return sum(self.injected.values())
 
-    def run(self) -> None:
-        try:
-            while not self.stop.wait(self.interval):
-                self.inject_once()
-        except Exception as exc:
-            self.error = exc
+    def work(self) -> None:
+        while not self.stop.wait(self.interval):
+            self.inject_once()
 
     def inject_once(self) -> int:
         """Look at newly sent events once and re-deliver a sample; returns deliveries made."""

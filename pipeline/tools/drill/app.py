@@ -1,10 +1,13 @@
 """The drill's consumers, run by real relay and worker processes (see :mod:`.workflow`).
 
+What they share with the demo's workflow (the payment API calls, the handlers' tools) is
+in :mod:`pipeline.tools.harness.orders`.
+
 Relays and workers load this module through ``PIPELINE_APP_MODULES=pipeline.tools.drill.app``.
 Its settings are read when a handler first runs, never at import time:
 
 * ``PIPELINE_DRILL_API_URL`` — base URL of the payment/e-mail API
-  (``python -m pipeline.tools.demo.payment_api``), which honours ``Idempotency-Key``;
+  (``python -m pipeline.tools.harness.payment_api``), which honours ``Idempotency-Key``;
 * ``PIPELINE_DRILL_APP_SCHEMA`` — the schema of the drill's business tables.
 
 A poison order (an amount that is not a positive integer) is refused by every consumer of
@@ -14,25 +17,19 @@ A poison order (an amount that is not a positive integer) is refused by every co
 from __future__ import annotations
 
 import os
-import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-import httpx
-
 from pipeline.config import validate_identifier
 from pipeline.envelope import ReceivedEvent
 from pipeline.inbox import HandlerContext, consumer
-from pipeline.inbox.http import idempotent_post
 from pipeline.tools.drill.sql import DrillQueries
 from pipeline.tools.drill.workflow import (
     AGGREGATE_TYPE,
     API_URL_ENV,
     APP_SCHEMA_ENV,
-    CHARGES_PATH,
     EMAIL_STEP,
-    EMAILS_PATH,
     LEDGER,
     NOTIFICATIONS,
     ORDER_PLACED,
@@ -41,24 +38,15 @@ from pipeline.tools.drill.workflow import (
     PAYMENTS,
     SHIPPING,
 )
+from pipeline.tools.harness import orders
+from pipeline.tools.harness.orders import ApiRejected, Misconfigured
 
 RETRIES: dict[str, Any] = {"max_retries": 20, "min_backoff": 0.05, "max_backoff": 2.0}
+FOLLOW_UP = ("run", "order_id", "account", "n", "amount_cents")
 
 
 class PoisonOrder(Exception):
     """The order can never be processed as it is: dead-letter it at once."""
-
-
-class ApiRejected(Exception):
-    """The API refused the request for good (4xx other than 409)."""
-
-
-class DrillMisconfigured(Exception):
-    """A worker lacks a drill setting; every attempt would fail the same way."""
-
-
-class ApiBusy(Exception):
-    """The API answered 409 (the same key in flight) or 5xx: retry later."""
 
 
 @dataclass(frozen=True)
@@ -70,54 +58,21 @@ class DrillConfig:
 @lru_cache(maxsize=1)
 def drill_config() -> DrillConfig:
     """This process's drill settings, read from the environment on first use."""
-    api_url = os.environ.get(API_URL_ENV, "").rstrip("/")
-    if not api_url.startswith(("http://", "https://")):
-        raise DrillMisconfigured(f"{API_URL_ENV} must be the payment API's http(s) URL")
+    api_url = orders.api_url_from(API_URL_ENV)
     schema = validate_identifier(os.environ.get(APP_SCHEMA_ENV, ""), APP_SCHEMA_ENV)
     # The handlers' queries use only {app}; the pipeline schema name is a placeholder.
     return DrillConfig(api_url, DrillQueries("pipeline", schema))
 
 
-_clients: dict[int, httpx.Client] = {}
-_clients_lock = threading.Lock()
-
-
-def http_client() -> httpx.Client:
-    """One connection pool per process (Dramatiq forks workers after importing this)."""
-    pid = os.getpid()
-    with _clients_lock:
-        client = _clients.get(pid)
-        if client is None:
-            client = _clients[pid] = httpx.Client(timeout=10.0)
-        return client
-
-
 def _execute(ctx: HandlerContext, name: str, params: dict[str, Any]) -> Any:
-    """Run a named query in the handler's transaction (the inbox record's transaction)."""
-    return ctx.session.connection().exec_driver_sql(drill_config().queries.text(name), params)
-
-
-def _api_result(response: httpx.Response) -> dict[str, Any]:
-    if response.status_code == 409 or response.status_code >= 500:
-        raise ApiBusy(f"API answered {response.status_code}; retry later")
-    if response.status_code >= 400:
-        raise ApiRejected(f"API refused the request with {response.status_code}")
-    result: dict[str, Any] = response.json()
-    return result
+    return orders.execute(ctx, drill_config().queries, name, params)
 
 
 def parse_order(data: Any) -> dict[str, Any]:
     """The order in an ``order.placed`` payload, or :class:`PoisonOrder`."""
-    if not isinstance(data, dict):
-        raise PoisonOrder("payload is not a JSON object")
-    for name in ("run", "order_id", "account"):
-        if not isinstance(data.get(name), str) or not data[name]:
-            raise PoisonOrder(f"{name} must be a non-empty string")
-    for name in ("n", "amount_cents"):
-        value = data.get(name)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise PoisonOrder(f"{name} must be a positive integer, got {type(value).__name__}")
-    return data
+    return orders.validated(
+        data, ("run", "order_id", "account"), ("n", "amount_cents"), PoisonOrder
+    )
 
 
 def _record(
@@ -149,37 +104,20 @@ def _record(
     )
 
 
-def _follow_up(data: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    keep = ("run", "order_id", "account", "n", "amount_cents")
-    return {**{k: data[k] for k in keep if k in data}, **extra}
-
-
 @consumer(
     PAYMENTS,
     [ORDER_PLACED],
-    non_retryable=[PoisonOrder, ApiRejected, DrillMisconfigured],
+    non_retryable=[PoisonOrder, ApiRejected, Misconfigured],
     **RETRIES,
 )
 def charge(event: ReceivedEvent, ctx: HandlerContext) -> None:
     """Charge the order once however often this runs: the API sees one idempotency key."""
     order = parse_order(event.data)
-    response = idempotent_post(
-        http_client(),
-        drill_config().api_url + CHARGES_PATH,
-        ctx,
-        json={
-            "run": order["run"],
-            "order_id": order["order_id"],
-            "customer": order["account"],
-            "amount_cents": order["amount_cents"],
-            "currency": "EUR",
-        },
-    )
-    charge_id = str(_api_result(response)["id"])
+    charge_id = orders.charge(ctx, drill_config().api_url, order, customer=order["account"])
     _record(ctx, event, order, ordered=False, ref=charge_id)
     ctx.publish(
         PAYMENT_CHARGED,
-        _follow_up(order, charge_id=charge_id),
+        orders.follow_up(order, FOLLOW_UP, charge_id=charge_id),
         aggregate_type=AGGREGATE_TYPE,
         aggregate_id=order["account"],
     )
@@ -195,29 +133,19 @@ def post_to_ledger(event: ReceivedEvent, ctx: HandlerContext) -> None:
 def ship(event: ReceivedEvent, ctx: HandlerContext) -> None:
     """Ship a paid order, in the account's order, and announce it (an unordered event)."""
     _record(ctx, event, event.data, ordered=True)
-    ctx.publish(ORDER_SHIPPED, _follow_up(event.data), ordered=False)
+    ctx.publish(ORDER_SHIPPED, orders.follow_up(event.data, FOLLOW_UP), ordered=False)
 
 
-@consumer(
-    NOTIFICATIONS,
-    [ORDER_SHIPPED],
-    non_retryable=[ApiRejected, DrillMisconfigured],
-    **RETRIES,
-)
+@consumer(NOTIFICATIONS, [ORDER_SHIPPED], non_retryable=orders.API_FAILURES, **RETRIES)
 def notify(event: ReceivedEvent, ctx: HandlerContext) -> None:
     """Send one shipping e-mail per order (with a step key, like multi-call handlers)."""
     data = event.data
-    response = idempotent_post(
-        http_client(),
-        drill_config().api_url + EMAILS_PATH,
+    message_id = orders.send_email(
         ctx,
-        step=EMAIL_STEP,
-        json={
-            "run": data["run"],
-            "order_id": data["order_id"],
-            "to": f"{data['account']}@example.com",
-            "template": "order-shipped",
-        },
+        drill_config().api_url,
+        EMAIL_STEP,
+        data,
+        to=f"{data['account']}@example.com",
+        template="order-shipped",
     )
-    message_id = str(_api_result(response)["id"])
     _record(ctx, event, data, ordered=False, ref=message_id)

@@ -27,9 +27,7 @@ import psycopg
 
 from pipeline.tools.drill.sql import DrillQueries
 from pipeline.tools.drill.workflow import (
-    CHARGES_PATH,
     CONSUMERS,
-    EMAILS_PATH,
     EVENT_TYPES,
     LEDGER,
     ORDER_PLACED,
@@ -38,6 +36,7 @@ from pipeline.tools.drill.workflow import (
     POISON_CONSUMERS,
     ROUTES,
 )
+from pipeline.tools.harness.payment_api import CHARGES_PATH, EMAILS_PATH
 
 EXAMPLES = 5
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import psycopg
 
-from pipeline.tools.drill.fleet import Fleet, Kind, Member
+from pipeline.tools.drill.members import Kind, Member, Members
 from pipeline.tools.drill.sql import DrillQueries
 
 KINDS = (
@@ -126,7 +126,7 @@ class Proxies:
 class Injector:
     """Does each fault; runs on the main thread (it starts processes)."""
 
-    fleet: Fleet
+    members: Members
     database_url: str
     queries: DrillQueries
     proxies: Proxies
@@ -175,15 +175,15 @@ class Injector:
         raise ValueError(f"unknown fault kind {kind!r}")
 
     def _kill(self, fault: Fault, kind: Kind) -> str:
-        member = self.rng.choice(self.fleet.of(kind))
+        member = self.rng.choice(self.members.of(kind))
         fault.target = member.name
-        self.fleet.kill(member)
+        self.members.kill(member)
         self.wait(fault.seconds)
-        self.fleet.start(member)
+        self.members.start(member)
         return f"{member.name} killed, restarted after {fault.seconds:.1f} s"
 
     def _terminate(self, fault: Fault, kind: Kind, query: str) -> str:
-        members: list[Member] = self.fleet.of(kind)
+        members: list[Member] = self.members.of(kind)
         if self.rng.random() < 0.5:
             members = [self.rng.choice(members)]
         fault.target = ", ".join(member.name for member in members)

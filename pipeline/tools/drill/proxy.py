@@ -19,14 +19,16 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import subprocess
 import sys
 import threading
 from dataclasses import asdict, dataclass
 from typing import IO
 
+from pipeline.tools.harness.fleet import Child, Fleet
+
 CHUNK = 65536
+CLOSE_SECONDS = 10.0
 
 
 @dataclass
@@ -124,33 +126,34 @@ class FaultProxy:
 class ProxyProcess:
     """A proxy running as a child process, driven through its stdin (see the module doc)."""
 
-    def __init__(self, process: subprocess.Popen[bytes], port: int) -> None:
-        self.process = process
+    def __init__(self, fleet: Fleet, child: Child, port: int) -> None:
+        self.fleet = fleet
+        self.child = child
         self.port = port
         self._lock = threading.Lock()
 
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        return self.child.process
+
     @classmethod
-    def start(cls, host: str, port: int, log: IO[bytes]) -> ProxyProcess:
-        """Start a proxy to ``host:port`` (it ends with the drill); errors go to ``log``."""
+    def start(cls, fleet: Fleet, host: str, port: int, log: IO[bytes]) -> ProxyProcess:
+        """Start a proxy to ``host:port`` as a child of ``fleet``; errors go to ``log``."""
         argv = [sys.executable, "-m", "pipeline.tools.drill.proxy", "--target", f"{host}:{port}"]
-        guarded = [
-            sys.executable,
-            "-m",
-            "pipeline.tools.drill.guard",
-            str(os.getpid()),
-            "--",
-            *argv,
-        ]
-        process = subprocess.Popen(
-            guarded, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log
+        child = fleet.start(
+            f"proxy to {host}:{port}",
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
         )
-        assert process.stdout is not None
-        line = process.stdout.readline().decode().split()
+        assert child.process.stdout is not None
+        line = child.process.stdout.readline().decode().split()
         if len(line) != 2 or line[0] != "listening":
-            process.kill()
-            process.wait()
+            child.kill()
+            fleet.forget(child)
             raise RuntimeError(f"the proxy to {host}:{port} did not start")
-        return cls(process, int(line[1]))
+        return cls(fleet, child, int(line[1]))
 
     def command(self, text: str) -> str:
         """Send one command line and return the proxy's one-line answer."""
@@ -161,14 +164,18 @@ class ProxyProcess:
             return self.process.stdout.readline().decode().strip()
 
     def close(self) -> None:
+        """Close its stdin (it then exits), wait a little, then kill it."""
         with contextlib.suppress(OSError):
             if self.process.stdin is not None:
                 self.process.stdin.close()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=CLOSE_SECONDS)
+        if self.child.running():
+            self.child.kill()
+        self.fleet.forget(self.child)
+        with contextlib.suppress(OSError):
+            if self.process.stdout is not None:
+                self.process.stdout.close()
 
 
 def _target(value: str) -> tuple[str, int]:

@@ -1,10 +1,6 @@
--- Named queries of `pipeline drill`, loaded once by pipeline/tools/drill/sql.py.
+-- Named queries of `pipeline drill` (pipeline/tools/drill/sql.py; the shared ones are in tools/harness).
 -- {schema} is the drill's pipeline schema and {app} its business schema (quoted identifiers,
 -- both made by the drill for this run alone); values are %(name)s parameters.
-
--- name: create_schema
--- Fails if the schema exists: the drill never writes into (or later drops) one it did not make.
-CREATE SCHEMA {app};
 
 -- name: create_tables
 -- The effect table has no unique key on (consumer, event_id) on purpose: a handler whose
@@ -65,10 +61,6 @@ RETURNING handled;
 INSERT INTO {app}.effects (consumer, event_id, order_id, key, seq, n, position, ref)
 VALUES (%(consumer)s, %(event_id)s, %(order_id)s, %(key)s, %(seq)s, %(n)s, %(position)s,
         %(ref)s);
-
--- name: relays_alive
-SELECT count(*) FROM {schema}.relay_state
-WHERE heartbeat_at > clock_timestamp() - interval '10 seconds';
 
 -- name: database_clock
 SELECT extract(epoch FROM clock_timestamp())::float8;

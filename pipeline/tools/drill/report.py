@@ -8,7 +8,6 @@ reading aid, not a proof; a drill run with one ``--fault-kinds`` kind attributes
 
 from __future__ import annotations
 
-import struct
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,10 +15,9 @@ from typing import Any
 
 from pipeline.tools.drill.check import CheckResult, Undelivered
 from pipeline.tools.drill.faults import Fault
-from pipeline.tools.drill.fleet import Exit
+from pipeline.tools.drill.members import Exit
 from pipeline.tools.drill.workflow import CONSUMERS
-
-DUPLICATES_METRIC = "pipeline_inbox_duplicates_total"
+from pipeline.tools.harness.outcomes import multiprocess_duplicates
 
 
 @dataclass
@@ -46,24 +44,7 @@ class RunFacts:
 
 def duplicates_from_metrics(directories: list[Path]) -> dict[str, int] | None:
     """Duplicates absorbed per consumer, summed over every worker incarnation's metric files."""
-    from prometheus_client import CollectorRegistry
-    from prometheus_client.multiprocess import MultiProcessCollector
-
-    counts: Counter[str] = Counter()
-    readable = False
-    for directory in directories:
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=str(directory))  # type: ignore[no-untyped-call]
-        try:
-            families = list(registry.collect())
-        except (struct.error, OSError, ValueError):  # a file cut short by a SIGKILL
-            continue
-        readable = True
-        for family in families:
-            for sample in family.samples:
-                if sample.name == DUPLICATES_METRIC:
-                    counts[sample.labels.get("consumer", "")] += int(sample.value)
-    return {c: counts.get(c, 0) for c in CONSUMERS} if readable else None
+    return multiprocess_duplicates(directories, CONSUMERS)
 
 
 def probable_cause(lost: Undelivered, faults: list[Fault], clock_offset: float) -> str:

@@ -4,14 +4,18 @@
    given with ``--database-url``/``--redis-url`` (staging: never restarted; the drill
    works in a schema and a Redis namespace of its own, dropped at the end).
 2. Proxies in front of both, through which every relay and worker connects.
-3. The payment/e-mail API (``python -m pipeline.tools.demo.payment_api``), relays and workers
-   (``pipeline relay``/``pipeline worker`` with ``PIPELINE_APP_MODULES=pipeline.tools.drill.app``).
+3. The payment/e-mail API (``python -m pipeline.tools.harness.payment_api``), relays and workers
+   (``pipeline relay``/``pipeline worker`` with ``PIPELINE_APP_MODULES=pipeline.tools.drill.app``),
+   all children of one :class:`~pipeline.tools.harness.fleet.Fleet` that end with the drill
+   however it ends; waiting for them to start is bounded by their progress
+   (:mod:`pipeline.tools.harness.readiness`).
 4. Orders at ``--rate`` while the faults of the seeded schedule are injected.
 5. Recovery: wait until every (event, consumer) pair is done and nothing is unsent, at
    most ``--recovery-timeout`` seconds after the last fault.
 6. The checks (:mod:`.check`) and the report (:mod:`.report`); exit 1 on any violation.
 
-Whatever was started is stopped again, newest first, on success, error or Ctrl-C.
+Whatever was started is stopped again, newest first, on success, error or Ctrl-C
+(:mod:`pipeline.tools.harness.cleanup`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -47,7 +50,7 @@ from pipeline.tools.drill.faults import (
     Proxies,
     schedule,
 )
-from pipeline.tools.drill.fleet import Fleet
+from pipeline.tools.drill.members import Members
 from pipeline.tools.drill.proxy import ProxyProcess
 from pipeline.tools.drill.report import (
     RunFacts,
@@ -65,10 +68,12 @@ from pipeline.tools.drill.workflow import (
     ROUTES,
 )
 from pipeline.tools.drill.workload import Producer, SkewSegment, plan_orders
+from pipeline.tools.harness.cleanup import Cleanup
+from pipeline.tools.harness.fleet import Child, Fleet
+from pipeline.tools.harness.readiness import wait_ready
 from pipeline.transport.namespace import delete_namespace
 
 APP_MODULE = "pipeline.tools.drill.app"
-READY_TIMEOUT = 120.0
 SETTLE_SECONDS = 3.0
 PROGRESS_INTERVAL = 5.0
 RESTART_DELAY = 1.0
@@ -129,28 +134,6 @@ def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
     return tuple(dict.fromkeys(options.fault_kinds))
 
 
-class Cleanup:
-    """Undo actions, run newest first; a failing one is reported and the rest still run."""
-
-    def __init__(self) -> None:
-        self._actions: list[tuple[str, Callable[[], None]]] = []
-
-    def push(self, what: str, action: Callable[[], None]) -> None:
-        self._actions.append((what, action))
-
-    def close(self) -> None:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C waits
-        try:
-            while self._actions:
-                what, action = self._actions.pop()
-                try:
-                    action()
-                except Exception as exc:
-                    _say(f"could not {what}: {type(exc).__name__}: {exc}")
-        finally:
-            signal.signal(signal.SIGINT, previous)
-
-
 def _say(text: str) -> None:
     click.echo(f"drill: {text}", err=True)
 
@@ -161,7 +144,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 def run_drill(options: DrillOptions) -> int:
     """Run the drill; returns the exit code (0 passed, 1 violations, 130 interrupted)."""
-    cleanup = Cleanup()
+    cleanup = Cleanup(_say)
     previous = signal.signal(signal.SIGTERM, _interrupt)
     drill: _Drill | None = None
     try:
@@ -206,9 +189,16 @@ class _Drill:
         self.notes: list[str] = []
         self.restart_at: dict[str, float] = {}
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"pipeline-drill-{self.run_id}-"))
+        self.fleet = Fleet()
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> int:
+        # The fleet's undo is pushed first, so it runs last: by then everything it holds
+        # was stopped, and its watchdog is told there is nothing left to undo.
+        self.fleet.open()
+        self.cleanup.push("stop the drill's watchdog", self.fleet.close)
+        if not self.options.keep:
+            self.fleet.remove_on_death(self.work_dir)
         self.cleanup.push("remove the drill's directory", self._remove_work_dir)
         servers = self._servers()
         settings = load_settings().replace(
@@ -223,15 +213,15 @@ class _Drill:
         self._prepare_database(settings, servers)
         proxies = self._proxies(servers)
         api_url = self._start_api()
-        fleet = self._start_fleet(settings, servers, proxies, api_url)
-        return self._drive(settings, servers, proxies, fleet, api_url)
+        members = self._start_members(settings, servers, proxies, api_url)
+        return self._drive(settings, servers, proxies, members, api_url)
 
     def _drive(
         self,
         settings: Settings,
         servers: _Servers,
         proxies: Proxies,
-        fleet: Fleet,
+        members: Members,
         api_url: str,
     ) -> int:
         options = self.options
@@ -241,14 +231,14 @@ class _Drill:
         segments, skews = self._segments(faults, len(plan), window)
         injected = [f for f in faults if f.kind != "clock-skew"]
         injector = Injector(
-            fleet,
+            members,
             servers.database_url,
             self.queries,
             proxies,
             self.rng,
             postgres=servers.postgres,
             redis=servers.redis,
-            wait=lambda seconds: self._wait(fleet, seconds),
+            wait=lambda seconds: self._wait(members, seconds),
         )
         from pipeline.db.connect import make_engine
 
@@ -260,6 +250,7 @@ class _Drill:
             plan,
             options.rate,
             segments,
+            self.fleet,
             self._skewed_command,
             self._skewed_env(servers.database_url),
             lambda segment, began, ended, detail: self._skew_done(
@@ -272,13 +263,13 @@ class _Drill:
             f"run {self.run_id}, seed {self.seed}: {len(plan)} orders at "
             f"{options.rate:g}/s, {len(faults)} faults ({kinds})"
         )
-        self._produce(fleet, producer, injector, injected, len(plan), window)
+        self._produce(members, producer, injector, injected, len(plan), window)
         done_faults = injector.done + list(skews.values())
         last_fault = max((f.ended for f in done_faults if f.ended is not None), default=0.0)
         last_order = producer.finished_at or time.time()
         recovery_from = max(last_fault, last_order)
         recovery_after = "the last fault" if last_fault >= last_order else "the last order"
-        recovered_at = self._recover(fleet, servers.database_url, recovery_from)
+        recovered_at = self._recover(members, servers.database_url, recovery_from)
         facts = RunFacts(
             run=self.run_id,
             seed=self.seed,
@@ -288,13 +279,13 @@ class _Drill:
             setup=servers.setup,
             started=self.started,
             faults=done_faults,
-            exits=fleet.exits,
+            exits=members.exits,
             recovery_from=recovery_from,
             recovery_after=recovery_after,
             recovered_at=recovered_at,
             recovery_timeout=options.recovery_timeout,
             clock_offset=clock_offset,
-            duplicates_absorbed=duplicates_from_metrics(fleet.metrics_dirs()),
+            duplicates_absorbed=duplicates_from_metrics(members.metrics_dirs()),
             wall_seconds=0.0,
             production_seconds=(
                 producer.finished_at - self.started if producer.finished_at is not None else None
@@ -314,7 +305,7 @@ class _Drill:
 
     def _produce(
         self,
-        fleet: Fleet,
+        members: Members,
         producer: Producer,
         injector: Injector,
         faults: list[Fault],
@@ -339,7 +330,7 @@ class _Drill:
         pending = sorted(faults, key=lambda f: f.offset)
         shown = began
         while pending or producer.is_alive():
-            self._watch(fleet, producer)
+            self._watch(members, producer)
             due = pending and (
                 producer.placed >= pending[0].offset / window * orders or not producer.is_alive()
             )
@@ -352,7 +343,7 @@ class _Drill:
                 shown = time.monotonic()
                 _say(f"+{time.time() - self.started:6.1f} s placed {producer.placed}/{orders}")
             time.sleep(0.05)
-        self._watch(fleet, producer)
+        self._watch(members, producer)
 
     # -- set-up ----------------------------------------------------------------------------
     def _servers(self) -> _Servers:
@@ -439,7 +430,7 @@ class _Drill:
         return Proxies(postgres, redis)
 
     def _proxy(self, host: str, port: int, log: IO[bytes]) -> ProxyProcess:
-        proxy = ProxyProcess.start(host, port, log)
+        proxy = ProxyProcess.start(self.fleet, host, port, log)
         self.cleanup.push(f"stop the proxy to {host}:{port}", proxy.close)
         return proxy
 
@@ -447,34 +438,34 @@ class _Drill:
         from pipeline.tools.harness.embedded import free_port
 
         port = free_port()
-        argv = [sys.executable, "-m", "pipeline.tools.demo.payment_api", "--port", str(port)]
-        log = (self.work_dir / "api.log").open("ab")
-        process = _guarded(argv, log, dict(os.environ))
+        argv = [sys.executable, "-m", "pipeline.tools.harness.payment_api", "--port", str(port)]
+        try:
+            api = self.fleet.start("payment API", argv, log_path=self.work_dir / "api.log")
+        except OSError as exc:
+            raise DrillError(f"cannot start the payment API: {exc}") from None
+        self.cleanup.push("stop the payment API", lambda: self.fleet.stop([api], grace=10.0))
         url = f"http://127.0.0.1:{port}"
 
-        def stop() -> None:
-            process.terminate()
+        def ready() -> bool:
             try:
-                process.wait(timeout=10)
-            except Exception:
-                process.kill()
-            log.close()
-
-        self.cleanup.push("stop the payment API", stop)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    return url
+                return httpx.get(f"{url}/health", timeout=2).status_code == 200
             except httpx.HTTPError:
-                pass
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise DrillError(f"the payment API did not start (log in {self.work_dir})")
-            time.sleep(0.1)
+                return False
 
-    def _start_fleet(
+        def failed(detail: str) -> DrillError:
+            return DrillError(f"the payment API did not start: {detail} (log in {self.work_dir})")
+
+        wait_ready(
+            ready,
+            [api],
+            died=lambda child: failed(f"exit {child.returncode}: {child.log_tail()}"),
+            stalled=lambda seconds: failed(f"no progress for {seconds:.0f} s"),
+        )
+        return url
+
+    def _start_members(
         self, settings: Settings, servers: _Servers, proxies: Proxies, api_url: str
-    ) -> Fleet:
+    ) -> Members:
         from pipeline.tools.drill.servers import through_proxy
 
         options = self.options
@@ -501,7 +492,8 @@ class _Drill:
         env[API_URL_ENV] = api_url
         env[APP_SCHEMA_ENV] = self.app_schema
         servers.setup["settings"] = ", ".join(f"{k}={env[k]}" for k in PROCESS_DEFAULTS)
-        fleet = Fleet(
+        members = Members(
+            self.fleet,
             self.work_dir,
             env,
             self.run_id,
@@ -510,24 +502,27 @@ class _Drill:
             processes=options.processes,
             threads=options.threads,
         )
-        self.cleanup.push("stop the relays and workers", fleet.stop_all)
-        fleet.start_all()
-        deadline = time.monotonic() + READY_TIMEOUT
-        while True:
-            for member in fleet.reap():
-                raise DrillError(
-                    f"{member.name} exited at start-up: {fleet.tail(member)} "
-                    f"(logs in {self.work_dir})"
-                )
+        self.cleanup.push("stop the relays and workers", members.stop_all)
+        members.start_all()
+
+        def ready() -> bool:
             relays = self._query(servers.database_url, "relays_alive")[0][0]
-            if relays >= options.relays and all(fleet.ready(m) for m in fleet.of("worker")):
-                return fleet
-            if time.monotonic() > deadline:
-                raise DrillError(
-                    f"relays and workers not ready after {READY_TIMEOUT:g} s "
-                    f"(logs in {self.work_dir})"
-                )
-            time.sleep(0.2)
+            return relays >= options.relays and all(members.ready(m) for m in members.of("worker"))
+
+        def died(child: Child) -> DrillError:
+            return DrillError(
+                f"{child.name} exited at start-up: {child.log_tail(2, width=300)} "
+                f"(logs in {self.work_dir})"
+            )
+
+        def stalled(seconds: float) -> DrillError:
+            return DrillError(
+                f"relays and workers not ready: none made progress for {seconds:.0f} s "
+                f"(logs in {self.work_dir})"
+            )
+
+        wait_ready(ready, members.children(), died=died, stalled=stalled, tick=0.2)
+        return members
 
     # -- while it runs -----------------------------------------------------------------------
     def _segments(
@@ -554,7 +549,7 @@ class _Drill:
             sys.executable, "-m", "pipeline.tools.drill.skewed",
             "--skew", f"{segment.skew_seconds:.3f}", "--rate", f"{self.options.rate:g}",
         ]  # fmt: skip
-        return [sys.executable, "-m", "pipeline.tools.drill.guard", str(os.getpid()), "--", *argv]
+        return argv
 
     def _skewed_env(self, database_url: str) -> dict[str, str]:
         env = dict(os.environ)
@@ -574,45 +569,45 @@ class _Drill:
         fault.detail = f"clock {segment.skew_seconds:+.0f} s; {detail}"
         _say(f"+{began - self.started:6.1f} s clock-skew: {fault.detail}")
 
-    def _watch(self, fleet: Fleet, producer: Producer | None = None) -> None:
+    def _watch(self, members: Members, producer: Producer | None = None) -> None:
         """Restart processes that died on their own (1 s later); fail on a producer error."""
         now = time.monotonic()
-        for member in fleet.reap():
-            exit_ = fleet.exits[-1]
+        for member in members.reap():
+            exit_ = members.exits[-1]
             _say(f"{member.name} exited with code {exit_.code}: {exit_.log_tail}")
             self.restart_at[member.name] = now + RESTART_DELAY
-        for member in fleet.members:
+        for member in members.members:
             due = self.restart_at.get(member.name)
             if due is not None and now >= due:
                 del self.restart_at[member.name]
-                fleet.start(member)
+                members.start(member)
         if producer is not None and producer.error is not None:
             error = producer.error
             raise DrillError(f"the producer failed: {type(error).__name__}: {error}")
 
-    def _wait(self, fleet: Fleet, seconds: float) -> None:
+    def _wait(self, members: Members, seconds: float) -> None:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            self._watch(fleet)
+            self._watch(members)
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
 
-    def _recover(self, fleet: Fleet, database_url: str, since: float) -> float | None:
+    def _recover(self, members: Members, database_url: str, since: float) -> float | None:
         """Wait until every delivery is done; the wall time it was, or None at the bound."""
         deadline = since + self.options.recovery_timeout
         shown = time.monotonic()
         while time.time() < deadline:
-            self._watch(fleet)
+            self._watch(members)
             asked = time.monotonic()
             done, summary = self._progress(database_url)
             if done:
                 at = time.time()
-                self._wait(fleet, SETTLE_SECONDS)  # late copies must still be absorbed
+                self._wait(members, SETTLE_SECONDS)  # late copies must still be absorbed
                 return at
             if time.monotonic() - shown >= PROGRESS_INTERVAL:
                 shown = time.monotonic()
                 _say(f"+{time.time() - self.started:6.1f} s waiting for recovery: {summary}")
             # Polls cost the database little: at most a third of the time on large runs.
-            self._wait(fleet, max(0.5, 2 * (time.monotonic() - asked)))
+            self._wait(members, max(0.5, 2 * (time.monotonic() - asked)))
         return None
 
     def _progress(self, database_url: str) -> tuple[bool, str]:
@@ -684,12 +679,3 @@ class _Drill:
             _say(f"kept the drill's logs in {self.work_dir}")
         else:
             shutil.rmtree(self.work_dir, ignore_errors=True)
-
-
-def _guarded(argv: list[str], log: IO[bytes], env: dict[str, str]) -> Any:
-    import subprocess
-
-    guarded = [sys.executable, "-m", "pipeline.tools.drill.guard", str(os.getpid()), "--", *argv]
-    return subprocess.Popen(
-        guarded, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT
-    )

@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     from pipeline.tools.drill.sql import DrillQueries
     from pipeline.tools.drill.workflow import APP_SCHEMA_ENV
     from pipeline.tools.drill.workload import PlannedOrder, place_order
+    from pipeline.tools.harness.workload import wait_turn
 
     orders = [PlannedOrder(**order) for order in json.load(sys.stdin)]
     settings = load_settings()
@@ -47,10 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     try:
         for index, order in enumerate(orders):
-            if options.rate > 0:
-                delay = started + index / options.rate - time.monotonic()
-                if delay > 0:
-                    time.sleep(delay)
+            wait_turn(started, index, options.rate)
             place_order(engine, queries, order, name)
     finally:
         engine.dispose()

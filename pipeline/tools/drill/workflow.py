@@ -31,8 +31,6 @@ LEDGER = "drill_ledger"
 SHIPPING = "drill_shipping"
 NOTIFICATIONS = "drill_notifications"
 
-CHARGES_PATH = "/v1/charges"
-EMAILS_PATH = "/v1/emails"
 EMAIL_STEP = "shipped-email"
 
 

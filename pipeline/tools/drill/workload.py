@@ -31,6 +31,9 @@ from sqlalchemy.orm import Session
 from pipeline.outbox import add_event
 from pipeline.tools.drill.sql import DrillQueries
 from pipeline.tools.drill.workflow import AGGREGATE_TYPE, ORDER_PLACED
+from pipeline.tools.harness.fleet import Fleet
+from pipeline.tools.harness.sql import WorkflowQueries
+from pipeline.tools.harness.workload import LoadThread, wait_turn
 
 POISON_AMOUNT = "12,50"  # a legacy client's decimal string: never payable
 RETRY_DELAY = 0.2
@@ -92,7 +95,7 @@ def plan_orders(run: str, orders: int, poison: int, rng: random.Random) -> list[
 
 def place_order(
     engine: Engine,
-    queries: DrillQueries,
+    queries: WorkflowQueries,
     order: PlannedOrder,
     producer: str,
     stop: threading.Event | None = None,
@@ -145,7 +148,7 @@ def place_order(
             break
 
 
-def order_event(engine: Engine, queries: DrillQueries, order_id: str) -> uuid.UUID | None:
+def order_event(engine: Engine, queries: WorkflowQueries, order_id: str) -> uuid.UUID | None:
     """The event id of a placed order, or None if it was never committed."""
     with engine.connect() as connection:
         row = connection.exec_driver_sql(
@@ -163,7 +166,7 @@ def _connection_trouble(exc: DBAPIError) -> bool:
     )
 
 
-class Producer(threading.Thread):
+class Producer(LoadThread):
     """Places the plan at ``rate`` orders per second; skewed segments go to other processes."""
 
     def __init__(
@@ -173,62 +176,57 @@ class Producer(threading.Thread):
         plan: list[PlannedOrder],
         rate: float,
         segments: list[SkewSegment],
+        fleet: Fleet,
         skewed_command: Callable[[SkewSegment], list[str]],
         skewed_env: dict[str, str],
         on_segment: Callable[[SkewSegment, float, float, str], None],
     ) -> None:
-        super().__init__(name="drill-producer", daemon=True)
-        self.engine = engine
-        self.queries = queries
+        super().__init__("drill-producer", engine, queries, rate)
         self.plan = plan
-        self.rate = rate
         self.segments = {segment.start: segment for segment in segments}
+        self.fleet = fleet
         self.skewed_command = skewed_command
         self.skewed_env = skewed_env
         self.on_segment = on_segment
-        self.stop = threading.Event()
-        self.placed = 0
-        self.error: BaseException | None = None
         self.finished_at: float | None = None  # wall clock of the last order's commit
 
-    def run(self) -> None:
+    def work(self) -> None:
         started = time.monotonic()
         index = 0
-        try:
-            while index < len(self.plan) and not self.stop.is_set():
-                if self.rate > 0:
-                    delay = started + index / self.rate - time.monotonic()
-                    if delay > 0 and self.stop.wait(delay):
-                        return
-                segment = self.segments.get(index)
-                if segment is not None:
-                    self._skewed(segment)
-                    index += segment.length
-                    continue
-                place_order(self.engine, self.queries, self.plan[index], "main", self.stop)
-                self.placed += 1
-                index += 1
-            self.finished_at = time.time()
-        except Exception as exc:  # reported by the main thread as one line
-            self.error = exc
+        while index < len(self.plan):
+            if not wait_turn(started, index, self.rate, self.stop):
+                return
+            segment = self.segments.get(index)
+            if segment is not None:
+                self._skewed(segment)
+                index += segment.length
+                continue
+            place_order(self.engine, self.queries, self.plan[index], "main", self.stop)
+            self.placed += 1
+            index += 1
+        self.finished_at = time.time()
 
     def _skewed(self, segment: SkewSegment) -> None:
         """Run a skewed producer on the segment; place whatever it did not, here, in order."""
         orders = self.plan[segment.start : segment.start + segment.length]
         began = time.time()
-        process = subprocess.Popen(
+        child = self.fleet.start(
+            f"skewed producer {segment.skew_seconds:+.0f} s",
             self.skewed_command(segment),
             env=self.skewed_env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
         )
+        process = child.process
         body = json.dumps([asdict(order) for order in orders]).encode()
         try:
             output, _ = process.communicate(body, timeout=PLACE_TIMEOUT + len(orders))
         except subprocess.TimeoutExpired:
-            process.kill()
+            child.kill()
             output, _ = process.communicate()
+        finally:
+            self.fleet.forget(child)
         detail = f"exit {process.returncode}"
         for order in orders:  # in plan order: the key order holds whoever placed them
             if not self._landed(order):

@@ -5,15 +5,15 @@
 * same key while the first request is still running: 409;
 * no key: 400 (this API insists on idempotent retries).
 
-Every POST path behaves the same way; ``pipeline demo`` charges through ``/v1/charges``
-and sends confirmations through ``/v1/emails`` of one server. ``GET /ledger`` returns
-what was done (``?run=ID`` keeps the records whose request carried that ``run``),
-``GET /health`` answers ``{"status": "ok"}``.
+Every POST path behaves the same way; ``pipeline demo`` and ``pipeline drill`` charge
+through ``/v1/charges`` and send e-mails through ``/v1/emails`` of one server.
+``GET /ledger`` returns what was done (``?run=ID`` keeps the records whose request
+carried that ``run``), ``GET /health`` answers ``{"status": "ok"}``.
 
 Tests and ``pipeline demo`` use it to show that retried handlers charge once; it also
 runs on its own for docker-compose::
 
-    python -m pipeline.tools.demo.payment_api --host 0.0.0.0 --port 8080
+    python -m pipeline.tools.harness.payment_api --host 0.0.0.0 --port 8080
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+CHARGES_PATH = "/v1/charges"
+EMAILS_PATH = "/v1/emails"
 ID_PREFIXES = {"charges": "ch", "emails": "em"}
 
 
@@ -205,7 +207,7 @@ class PaymentServer(ThreadingHTTPServer):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m pipeline.tools.demo.payment_api",
+        prog="python -m pipeline.tools.harness.payment_api",
         description="A local payment and e-mail API honouring Idempotency-Key like Stripe.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")

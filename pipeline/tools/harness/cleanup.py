@@ -1,11 +1,11 @@
-"""How ``pipeline demo`` undoes what it did, in bounded time, also on Ctrl-C.
+"""How the demo and the drill undo what they did, also on Ctrl-C.
 
-Everything the demo starts registers its own undo on a :class:`Cleanup` stack the moment
-it exists, so an error or Ctrl-C at any step undoes exactly what was done. Undoing has
-one time budget, :data:`SHUTDOWN_BUDGET_SECONDS`: every step that waits (threads,
-relay and workers, servers) waits at most what is left of it, and then kills instead.
-Should the demo itself be killed, its watchdog process (:mod:`pipeline.tools.harness.watchdog`)
-kills what it started and deletes its temporary files.
+Everything a run starts registers its own undo on a :class:`Cleanup` stack the moment it
+exists, so an error or Ctrl-C at any step undoes exactly what was done. Undoing may have
+a time budget (the demo's is a few seconds): every step that waits (threads, relays and
+workers, servers) asks :meth:`Cleanup.remaining` how long it may still wait, and then
+kills instead. Should the run itself be killed, the fleet's watchdog process
+(:mod:`pipeline.tools.harness.fleet`) kills what it started and deletes its files.
 """
 
 from __future__ import annotations
@@ -17,19 +17,16 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-SHUTDOWN_BUDGET_SECONDS = 8.0
-
 
 class Cleanup:
     """A stack of undo actions, run newest first, that a second Ctrl-C cannot cut short.
 
     While :meth:`close` runs, SIGINT and SIGTERM only set :attr:`hurry`: waiting steps
-    then stop waiting and kill, so the demo never leaves servers or temp dirs behind.
+    then stop waiting and kill, so nothing is left behind. A failing action is reported
+    and the rest still run.
     """
 
-    def __init__(
-        self, report: Callable[[str], None], budget: float = SHUTDOWN_BUDGET_SECONDS
-    ) -> None:
+    def __init__(self, report: Callable[[str], None], budget: float | None = None) -> None:
         self._actions: list[tuple[str, Callable[[], None]]] = []
         self._report = report
         self._budget = budget
@@ -48,7 +45,8 @@ class Cleanup:
         return max(0.0, min(cap, self._deadline - time.monotonic()))
 
     def close(self) -> None:
-        self._deadline = time.monotonic() + self._budget
+        if self._budget is not None:
+            self._deadline = time.monotonic() + self._budget
         previous: dict[signal.Signals, Any] = {}
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
