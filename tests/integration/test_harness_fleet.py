@@ -1,0 +1,155 @@
+"""The harness's fleet and readiness waits, with real processes.
+
+The fleet's promise is that nothing it started outlives its owner, grandchildren
+included, however the owner ends; the readiness wait's is that a slow but moving child
+is waited for, and a dead or frozen one is given up on.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.tools.harness.fleet import Fleet
+from pipeline.tools.harness.processes import pid_alive
+from pipeline.tools.harness.readiness import wait_ready
+
+# A child that starts a grandchild in the same process group and reports both pids.
+PARENT_OF_SLEEPER = (
+    "import subprocess, sys, time\n"
+    "grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "print(grandchild.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+# An owner that starts such a child through a fleet, prints the pids, then waits to die.
+OWNER = """
+import json, subprocess, sys, time
+from pathlib import Path
+from pipeline.tools.harness.fleet import Fleet
+
+fleet = Fleet()
+fleet.open()
+log = Path(sys.argv[1])
+fleet.remove_on_death(log.parent)
+child = fleet.start("sleeper", [sys.executable, "-c", sys.argv[2]], log_path=log)
+while not log.read_text().strip():
+    time.sleep(0.05)
+print(json.dumps({"child": child.pid, "grandchild": int(log.read_text().split()[0]),
+                  "watchdog": fleet.watchdog_pid}), flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if pid_alive(pid)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [pid for pid in pids if pid_alive(pid)]
+
+
+def test_a_killed_owner_takes_children_and_grandchildren_with_it(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, str(work / "sleeper.log"), PARENT_OF_SLEEPER],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None
+        started = json.loads(owner.stdout.readline())
+        pids = [started["child"], started["grandchild"]]
+        assert all(pid_alive(pid) for pid in pids)
+        owner.kill()  # SIGKILL: none of the owner's own code runs
+        owner.wait(timeout=30)
+        assert _gone([*pids, started["watchdog"]], timeout=30) == []
+        assert not work.exists()  # what the owner asked to delete on death
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_stop_ends_children_and_the_watchdog_has_nothing_left(tmp_path: Path) -> None:
+    fleet = Fleet()
+    child = fleet.start(
+        "sleeper", [sys.executable, "-c", PARENT_OF_SLEEPER], log_path=tmp_path / "log"
+    )
+    watchdog = fleet.watchdog_pid
+    assert watchdog is not None
+    wait_ready(
+        lambda: bool((tmp_path / "log").read_text().strip()),
+        [child],
+        died=lambda c: AssertionError(f"{c.name} died"),
+        stalled=lambda s: AssertionError(f"stalled {s}"),
+    )
+    grandchild = int((tmp_path / "log").read_text().split()[0])
+    fleet.stop(grace=5.0)
+    fleet.close()
+    assert _gone([child.pid, grandchild, watchdog], timeout=30) == []
+    assert fleet.children == []
+
+
+def test_a_slow_child_that_keeps_moving_is_waited_for_past_the_stall_limit(
+    tmp_path: Path,
+) -> None:
+    """Busy for three stall periods (CPU and log), then ready: the wait must not give up."""
+    busy = (
+        "import sys, time\n"
+        "end = time.monotonic() + 3.5\n"
+        "while time.monotonic() < end:\n"
+        "    print('starting', flush=True); time.sleep(0.2)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    fleet = Fleet()
+    try:
+        child = fleet.start("slow", [sys.executable, "-c", busy], log_path=tmp_path / "log")
+        waited = wait_ready(
+            lambda: child.count_in_log("ready") > 0,
+            [child],
+            died=lambda c: AssertionError("died"),
+            stalled=lambda s: AssertionError(f"gave up after {s:.1f} s of no progress"),
+            stall_seconds=1.2,
+        )
+        assert waited > 3.0
+    finally:
+        fleet.close()
+
+
+def test_a_frozen_child_is_given_up_on_and_a_dead_one_at_once(tmp_path: Path) -> None:
+    fleet = Fleet()
+    try:
+        frozen = fleet.start("frozen", [sys.executable, "-c", "import time; time.sleep(600)"])
+        began = time.monotonic()
+        with pytest.raises(TimeoutError):
+            wait_ready(
+                lambda: False,
+                [frozen],
+                died=lambda c: AssertionError("died"),
+                stalled=lambda s: TimeoutError(f"no progress for {s:.1f} s"),
+                stall_seconds=1.5,
+            )
+        assert 1.5 <= time.monotonic() - began < 30
+
+        dead = fleet.start(
+            "dead", [sys.executable, "-c", "print('bad setting'); raise SystemExit(3)"],
+            log_path=tmp_path / "dead.log",
+        )  # fmt: skip
+        with pytest.raises(RuntimeError, match="dead exited 3: bad setting"):
+            wait_ready(
+                lambda: False,
+                [dead],
+                died=lambda c: RuntimeError(f"{c.name} exited {c.returncode}: {c.log_tail()}"),
+                stalled=lambda s: AssertionError("stalled instead of died"),
+            )
+    finally:
+        fleet.close()
