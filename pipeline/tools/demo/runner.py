@@ -365,15 +365,13 @@ class _Demo:
                 workers is None or workers_ready(workers, self.options.processes)
             )
 
-        def stalled(seconds: float) -> DemoError:
-            waited = "moved" if self.children else "came up"
+        def stalled(why: str) -> DemoError:
             if not state["relays"]:
                 return DemoError(
-                    f"no relay is running on schema {queries.schema!r}: nothing {waited} for "
-                    f"{seconds:.0f} s (with --external, start `pipeline relay` with "
-                    f"PIPELINE_APP_MODULES={APP_MODULE})"
+                    f"no relay is running on schema {queries.schema!r}: {why} (with "
+                    f"--external, start `pipeline relay` with PIPELINE_APP_MODULES={APP_MODULE})"
                 )
-            return DemoError(f"the workers were not ready: nothing {waited} for {seconds:.0f} s")
+            return DemoError(f"the workers were not ready: {why}")
 
         wait_ready(ready, self.children, died=died, stalled=stalled, check=self._check_children)
         self.console.step(f"relay and workers ready after {time.monotonic() - self.started:.1f} s")

@@ -13,6 +13,7 @@ nothing of a killed process is overwritten.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -138,8 +139,9 @@ class Members:
             dead.append(member)
         return dead
 
-    def stop_all(self) -> None:
-        """SIGTERM every process, then SIGKILL the groups still there after the grace period."""
+    def stop_all(self, remaining: Callable[[float], float] | None = None) -> None:
+        """SIGTERM every process, then SIGKILL the groups still there after the grace period
+        (or what ``remaining`` allows of it: a second Ctrl-C ends the wait)."""
         for member in self.members:
             member.expected_exit = True
-        self.fleet.stop(self.children(), STOP_GRACE_SECONDS)
+        self.fleet.stop(self.children(), STOP_GRACE_SECONDS, remaining)

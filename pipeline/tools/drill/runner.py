@@ -459,7 +459,7 @@ class _Drill:
             ready,
             [api],
             died=lambda child: failed(f"exit {child.returncode}: {child.log_tail()}"),
-            stalled=lambda seconds: failed(f"no progress for {seconds:.0f} s"),
+            stalled=failed,
         )
         return url
 
@@ -502,7 +502,9 @@ class _Drill:
             processes=options.processes,
             threads=options.threads,
         )
-        self.cleanup.push("stop the relays and workers", members.stop_all)
+        self.cleanup.push(
+            "stop the relays and workers", lambda: members.stop_all(self.cleanup.remaining)
+        )
         members.start_all()
 
         def ready() -> bool:
@@ -515,11 +517,8 @@ class _Drill:
                 f"(logs in {self.work_dir})"
             )
 
-        def stalled(seconds: float) -> DrillError:
-            return DrillError(
-                f"relays and workers not ready: none made progress for {seconds:.0f} s "
-                f"(logs in {self.work_dir})"
-            )
+        def stalled(why: str) -> DrillError:
+            return DrillError(f"relays and workers not ready: {why} (logs in {self.work_dir})")
 
         wait_ready(ready, members.children(), died=died, stalled=stalled, tick=0.2)
         return members
