@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine
 
+from pipeline.config import Settings
 from pipeline.tools.harness.fleet import Fleet
 from pipeline.tools.harness.processes import pid_alive
 from pipeline.tools.harness.readiness import wait_ready
+from pipeline.tools.harness.sql import WorkflowQueries
 
 # A child that starts a grandchild in the same process group and reports both pids.
 PARENT_OF_SLEEPER = (
@@ -171,3 +174,22 @@ def test_a_moving_child_that_never_gets_ready_meets_the_ceiling(tmp_path: Path) 
             )
     finally:
         fleet.close()
+
+
+def test_an_idle_relay_counts_as_registered_however_old_its_heartbeat(
+    engine: Engine, settings: Settings
+) -> None:
+    """An idle relay writes its heartbeat only when it starts: a readiness check on the
+    heartbeat's age missed relays whose workers took more than 10 s to start."""
+    queries = WorkflowQueries(settings.schema_name, "unused")
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            f"INSERT INTO {settings.schema_name}.relay_state (relay_id, busy, heartbeat_at, host,"
+            " pid) VALUES ('idle', false, clock_timestamp() - interval '1 hour', 'here', 4242)"
+        )
+        count = lambda pids: conn.exec_driver_sql(  # noqa: E731
+            queries.text("relays_registered"), {"pids": pids}
+        ).scalar_one()
+        assert count([4242]) == 1
+        assert count([4243]) == 0  # another run's relay is not ours
+        assert count(None) == 1  # --external: any registered relay

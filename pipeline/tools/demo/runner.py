@@ -352,14 +352,15 @@ class _Demo:
         self.cleanup.push(what, undo)
 
     def _wait_ready(self, engine: Engine, queries: DemoQueries) -> None:
-        """Wait for a live relay and every worker process, while the children are moving."""
+        """Wait for our relay (any, with --external) and every worker process."""
         workers = self.children[1] if len(self.children) > 1 else None
+        relay_pids = [self.children[0].pid] if self.children else None
         state = {"relays": 0}
 
         def ready() -> bool:
             with engine.connect() as connection:
                 state["relays"] = connection.exec_driver_sql(
-                    queries.text("relays_alive")
+                    queries.text("relays_registered"), {"pids": relay_pids}
                 ).scalar_one()
             return bool(state["relays"]) and (
                 workers is None or workers_ready(workers, self.options.processes)

@@ -508,7 +508,8 @@ class _Drill:
         members.start_all()
 
         def ready() -> bool:
-            relays = self._query(servers.database_url, "relays_alive")[0][0]
+            pids = [m.child.pid for m in members.of("relay") if m.child is not None]
+            relays = self._query(servers.database_url, "relays_registered", {"pids": pids})[0][0]
             return relays >= options.relays and all(members.ready(m) for m in members.of("worker"))
 
         def died(child: Child) -> DrillError:

@@ -7,6 +7,9 @@
 -- drops) a schema it did not create.
 CREATE SCHEMA {app};
 
--- name: relays_alive
+-- name: relays_registered
+-- Relays that have registered (a relay writes its row when it starts serving and deletes it
+-- when it stops). An idle relay does not refresh its heartbeat, so the heartbeat's age says
+-- nothing about whether it runs. With %(pids)s the relays of those processes, else any.
 SELECT count(*) FROM {schema}.relay_state
-WHERE heartbeat_at > clock_timestamp() - interval '10 seconds';
+WHERE %(pids)s::int[] IS NULL OR pid = ANY(%(pids)s::int[]);
