@@ -1,22 +1,47 @@
-"""Bad configuration gives one clear line (naming the variable), never a traceback or a secret."""
+"""Bad configuration gives one clear line (naming the variable), never a traceback or a secret.
+
+The commands run in this process through click's ``CliRunner`` (the ``pipeline`` group
+ends a run exactly as the console script does); only the worker's check, which builds a
+runtime and imports an app module into process-wide state, runs in a child process.
+"""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from pipeline.config import Settings, load_settings, redact_url
 from pipeline.errors import ConfigurationError
+from pipeline.tools.cli import cli
 
 
-def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(*args: str, **env: str) -> Ran:
+    """``pipeline ARGS`` in-process, with no PIPELINE_* variable but those given."""
+    cleared: dict[str, str | None] = {k: None for k in os.environ if k.startswith("PIPELINE_")}
+    result = CliRunner().invoke(
+        cli, list(args), env={**cleared, **env}, prog_name="pipeline", catch_exceptions=False
+    )
+    return Ran(result.exit_code, result.stdout, result.stderr)
+
+
+def run_cli_process(*args: str, **env: str) -> Ran:
+    """``python -m pipeline.tools.cli ARGS`` in a child process."""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
     clean.update(env)
-    return subprocess.run(
+    done = subprocess.run(
         [sys.executable, "-m", "pipeline.tools.cli", *args],
         check=False,
         env=clean,
@@ -24,6 +49,7 @@ def run_cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
+    return Ran(done.returncode, done.stdout, done.stderr)
 
 
 @pytest.mark.parametrize(
@@ -71,8 +97,6 @@ def test_unreachable_database_is_one_line_without_the_password():
 
 
 def test_every_command_has_help():
-    from pipeline.tools.cli import cli
-
     def walk(group, prefix):
         for name, command in group.commands.items():
             yield [*prefix, name]
@@ -167,7 +191,7 @@ def test_every_setting_has_a_bad_value_below():
     assert set(BAD_VALUES) == set(Settings.model_fields)
 
 
-def assert_one_line(result: subprocess.CompletedProcess[str], *needles: str, code: int = 1) -> str:
+def assert_one_line(result: Ran, *needles: str, code: int = 1) -> str:
     assert result.returncode == code, (result.returncode, result.stderr)
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -250,9 +274,10 @@ def test_worker_refuses_unknown_queues_and_dramatiq_options_before_connecting():
         "PIPELINE_APP_MODULES": "tests.apps.inbox_app",
         "PYTHONPATH": str(Path(__file__).resolve().parents[2]),
     }
-    queue = run_cli("worker", "-Q", "pipeline.nosuch", **env)
+    # A child process: the check builds a runtime (a global broker) and imports the app.
+    queue = run_cli_process("worker", "-Q", "pipeline.nosuch", **env)
     assert_one_line(queue, "--queues", "pipeline.nosuch", "pipeline.ledger", code=2)
-    extra = run_cli("worker", "--no-such-dramatiq-flag", **env)
+    extra = run_cli_process("worker", "--no-such-dramatiq-flag", **env)
     assert_one_line(extra, "--no-such-dramatiq-flag", code=2)
 
 

@@ -6,10 +6,18 @@ import subprocess
 import sys
 
 import pytest
+from click.testing import CliRunner
 
+from pipeline.tools.cli import cli
+from pipeline.tools.cli.opskit import opskit
 from pipeline.tools.opskit import KitOptions, render_kit
-from pipeline.tools.opskit.__main__ import main
 from tests.support import ROOT
+
+
+def render(*argv: str) -> tuple[int, str]:
+    """``pipeline opskit ARGV`` in-process: exit code and stderr."""
+    result = CliRunner().invoke(cli, ["opskit", *argv], prog_name="pipeline")
+    return result.exit_code, result.stderr
 
 
 def test_committed_files_equal_the_rendered_kit():
@@ -22,18 +30,20 @@ def test_committed_files_equal_the_rendered_kit():
         "dashboards/pipeline-consumers.json",
     }
     stale = [path for path, text in rendered.items() if (ROOT / path).read_text() != text]
-    assert not stale, f"render again with `python -m pipeline.tools.opskit`: {stale}"
+    assert not stale, f"render again with `pipeline opskit`: {stale}"
 
 
-def test_check_mode_reports_a_stale_file(tmp_path, capsys):
-    assert main(["--out", str(tmp_path)]) == 0
-    assert main(["--out", str(tmp_path), "--check"]) == 0
+def test_check_mode_reports_a_stale_file(tmp_path):
+    assert render("--out", str(tmp_path)) == (0, "")
+    assert render("--out", str(tmp_path), "--check") == (0, "")
     (tmp_path / "dashboards" / "pipeline-relay.json").write_text("{}\n")
-    assert main(["--out", str(tmp_path), "--check"]) == 1
-    assert "differs from the code: dashboards/pipeline-relay.json" in capsys.readouterr().err
+    code, err = render("--out", str(tmp_path), "--check")
+    assert code == 1
+    assert err == "differs from the code: dashboards/pipeline-relay.json\n"
 
 
 def test_a_deployment_renders_its_own_jobs_links_and_group_labels(tmp_path):
+    # As docs/operations.md says: `python -m pipeline.tools.opskit`, in a process of its own.
     argv = [sys.executable, "-m", "pipeline.tools.opskit", "--out", str(tmp_path)]
     argv += ["--relay-job", "outbox-relay", "--worker-job", "outbox-worker"]
     argv += ["--group-label", "namespace", "--grafana-url", "https://grafana.example.com/"]
@@ -66,7 +76,11 @@ def test_a_deployment_renders_its_own_jobs_links_and_group_labels(tmp_path):
         (["--runbook-url", "https://example.com/runbooks/"], "{name}"),
     ],
 )
-def test_bad_options_are_one_line_and_exit_2(argv, message, capsys, tmp_path):
-    assert main([*argv, "--out", str(tmp_path)]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and message in err
+def test_bad_options_are_one_line_and_exit_2(argv, message, tmp_path):
+    code, err = render(*argv, "--out", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and message in err
+    assert err.startswith("pipeline: error: ") and "'pipeline opskit --help'" in err
+    prog = "python -m pipeline.tools.opskit"
+    alone = CliRunner().invoke(opskit, [*argv, "--out", str(tmp_path)], prog_name=prog)
+    assert alone.exit_code == 2 and alone.stderr.count("\n") == 1
+    assert alone.stderr.startswith(f"{prog}: error: ") and message in alone.stderr

@@ -137,6 +137,13 @@ def run_doctor(
     return report
 
 
+def check_deployment(settings: Settings) -> Report:
+    """``pipeline doctor``: every check, with the registered consumers' policies."""
+    from pipeline.tools.ops.consumers import consumer_policies
+
+    return run_doctor(settings, consumer_policies(settings))
+
+
 # -- schema ----------------------------------------------------------------------------------
 def _check_schema(conn: psycopg.Connection[Any], schema: str, report: Report) -> bool:
     """Migrations, indexes, triggers; False when the schema is not installed at all."""

@@ -15,8 +15,12 @@ from typing import Any
 
 import psycopg
 
+from pipeline.config import Settings
+from pipeline.db.connect import connect
 from pipeline.db.queries import queries_for
+from pipeline.driver_errors import wrap_driver_errors
 from pipeline.errors import NotFoundError
+from pipeline.policy import redelivery_horizon
 
 MAX_DEPTH = 20
 
@@ -148,6 +152,14 @@ def load_lineage(
         for (child,) in conn.execute(queries["lineage_children"], params).fetchall():
             lineage.follow_ups.append(load_lineage(conn, schema, child, depth + 1, horizon))
     return lineage
+
+
+def trace_event(settings: Settings, event_id: uuid.UUID) -> Lineage:
+    """``pipeline trace``: the event's lineage read from the configured database."""
+    with wrap_driver_errors(settings), connect(settings) as conn:
+        return load_lineage(
+            conn, settings.schema_name, event_id, horizon=redelivery_horizon(settings)
+        )
 
 
 def _deliveries(

@@ -61,6 +61,13 @@ def run_prune(
     return result
 
 
+def prune_now(settings: Settings, *, dry_run: bool) -> PruneResult:
+    """``pipeline prune``: one pass, judged on the registered consumers' policies."""
+    from pipeline.tools.ops.consumers import consumer_policies
+
+    return run_prune(settings, consumer_policies(settings), dry_run=dry_run)
+
+
 def _parameters(policy: RetentionPolicy) -> dict[str, Any]:
     return {
         "retention_seconds": {

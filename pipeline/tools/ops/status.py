@@ -126,6 +126,21 @@ def read_status(
     )
 
 
+def deployment_status(settings: Settings, thresholds: Thresholds, *, interval: float) -> Status:
+    """The status of the deployment's registered consumers and queues (``pipeline status``)."""
+    from pipeline.relay.actors import PUBLISH_QUEUE_NAME
+    from pipeline.tools.ops.consumers import load_registry
+
+    subscriptions = load_registry(settings).all()
+    return read_status(
+        settings,
+        [*(s.queue for s in subscriptions), PUBLISH_QUEUE_NAME],
+        thresholds,
+        interval=interval,
+        consumers=[s.consumer for s in subscriptions],
+    )
+
+
 def format_status(status: Status) -> str:
     """The human-readable report."""
     lines = [f"pipeline: {'healthy' if status.healthy else 'UNHEALTHY'}"]

@@ -9,14 +9,63 @@ bounded batches, each counted in the audit record in its own transaction.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import psycopg
 
+from pipeline.config import Settings
 from pipeline.db.queries import queries_for
-from pipeline.tools.ops.audit import count_affected
+from pipeline.tools.ops.audit import begin_action, count_affected
+from pipeline.tools.ops.dlq.access import open_connection, require_grants, require_known_ids
+from pipeline.tools.ops.dlq.filters import DeadLetterFilter
+from pipeline.tools.ops.dlq.records import DeadLetter, select_dead_letters
 
 BATCH = 1000
+
+
+@dataclass
+class PurgeReport:
+    """The dead letters in scope and, unless a dry run, which were deleted under which
+    audit record."""
+
+    letters: list[DeadLetter]
+    dry_run: bool
+    audit_id: int | None = None
+    deleted: list[int] = field(default_factory=list)
+
+    def as_json(self) -> dict[str, Any]:
+        if self.dry_run:
+            return {
+                "dry_run": True,
+                "would_delete": len(self.letters),
+                "dead_letters": [letter.as_json() for letter in self.letters],
+            }
+        return {"dry_run": False, "audit_id": self.audit_id, "deleted": self.deleted}
+
+
+def purge_dead_letters(
+    settings: Settings,
+    scope: DeadLetterFilter,
+    *,
+    purge_all: bool = False,
+    dry_run: bool = False,
+    reason: str = "",
+) -> PurgeReport:
+    """``pipeline dlq purge``: delete the dead letters in ``scope`` (every one with
+    ``purge_all``), audited; a dry run only selects them."""
+    schema = settings.schema_name
+    with open_connection(settings) as conn:
+        if not dry_run:
+            require_grants(conn, settings, "pipeline dlq purge", purge=True)
+        require_known_ids(conn, schema, scope.ids)
+        letters = select_dead_letters(conn, schema, scope)
+        if dry_run:
+            return PurgeReport(letters, dry_run=True)
+        parameters = {"filter": {"all": True} if purge_all else scope.as_json()}
+        audit_id = begin_action(conn, schema, "dlq.purge", reason, parameters)
+        deleted = purge(conn, schema, [letter.id for letter in letters], audit_id)
+    return PurgeReport(letters, dry_run=False, audit_id=audit_id, deleted=deleted)
 
 
 def purge(

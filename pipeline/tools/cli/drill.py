@@ -1,9 +1,18 @@
-"""The ``pipeline drill`` command. Importing this module is cheap (click only), so that
-registering the command keeps ``pipeline --help`` fast; the drill loads on first use."""
+"""``pipeline drill``: the options, then :func:`pipeline.tools.drill.runner.run_drill`,
+which loads on first use (registering the command keeps ``pipeline --help`` fast)."""
 
 from __future__ import annotations
 
 import click
+
+from pipeline.tools.cli.options import (
+    events_option,
+    json_option,
+    processes_option,
+    seed_option,
+    server_url_options,
+    threads_option,
+)
 
 FAULT_KINDS_HELP = (
     "Comma-separated fault kinds to inject (default: every kind this run may do): "
@@ -18,13 +27,9 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 
 
 @click.command()
-@click.option(
-    "--events",
-    "-n",
-    type=click.IntRange(min=1),
-    default=2000,
-    show_default=True,
-    help="Orders to place; each makes three events (order.placed, payment.charged, "
+@events_option(
+    2000,
+    "Orders to place; each makes three events (order.placed, payment.charged, "
     "order.shipped) and four deliveries.",
 )
 @click.option(
@@ -34,7 +39,7 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     show_default=True,
     help="Faults to inject; each selected kind at least once when there are enough.",
 )
-@click.option("--seed", type=int, default=None, help="Seed of the orders and the fault schedule.")
+@seed_option("Seed of the orders and the fault schedule.")
 @click.option(
     "--rate",
     type=click.FloatRange(min=0, min_open=True),
@@ -50,16 +55,10 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     show_default=True,
     help="Seconds after the last fault within which every delivery must be done.",
 )
-@click.option(
-    "--database-url",
-    default=None,
-    help="Run against this Postgres (staging) instead of a throwaway one; the drill works in "
+@server_url_options(
+    database="Run against this Postgres (staging) instead of a throwaway one; the drill works in "
     "a schema of its own and never restarts this server.",
-)
-@click.option(
-    "--redis-url",
-    default=None,
-    help="Run against this Redis instead of a throwaway one; the drill uses a key namespace "
+    redis="Run against this Redis instead of a throwaway one; the drill uses a key namespace "
     "of its own and never restarts this server.",
 )
 @click.option(
@@ -71,26 +70,14 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 )
 @click.option("--relays", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option(
-    "--processes",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Dramatiq processes per worker.",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="Threads per Dramatiq process.",
-)
+@processes_option(1, "Dramatiq processes per worker.")
+@threads_option(4, "Threads per Dramatiq process.")
 @click.option(
     "--keep",
     is_flag=True,
     help="Keep logs, the throwaway servers' data, and (staging) the schemas and Redis keys.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+@json_option("Print the report as one JSON object.")
 def drill(**options: object) -> None:
     """Run orders through a real pipeline while injecting faults, then check its guarantees.
 

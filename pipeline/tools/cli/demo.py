@@ -1,25 +1,24 @@
-"""The ``pipeline demo`` command. Importing this module is cheap (click only), so that
-registering the command keeps ``pipeline --help`` fast; the demo loads on first use."""
+"""``pipeline demo``: the options, then :func:`pipeline.tools.demo.runner.run_demo`, which
+loads on first use (registering the command keeps ``pipeline --help`` fast)."""
 
 from __future__ import annotations
 
 import click
 
-
-def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    if value is not None and not value.startswith(("http://", "https://")):
-        raise click.BadParameter("expected an http:// or https:// URL")
-    return value
+from pipeline.tools.cli.options import (
+    events_option,
+    http_url,
+    json_option,
+    processes_option,
+    seed_option,
+    threads_option,
+)
 
 
 @click.command()
-@click.option(
-    "--events",
-    "-n",
-    type=click.IntRange(min=1),
-    default=200,
-    show_default=True,
-    help="Orders to place (each makes order.placed -> payment.charged -> stock.reserved), "
+@events_option(
+    200,
+    "Orders to place (each makes order.placed -> payment.charged -> stock.reserved), "
     "plus one poison order.",
 )
 @click.option(
@@ -30,7 +29,7 @@ def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     help="Orders per second the producer places (0: as fast as it can). Latency is measured "
     "at this rate; above what the machine sustains it turns into queueing time.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print only a JSON summary on stdout.")
+@json_option("Print only a JSON summary on stdout.")
 @click.option(
     "--keep-running",
     is_flag=True,
@@ -60,20 +59,8 @@ def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     show_default=True,
     help="Add one order that payments can never process (it must be dead-lettered).",
 )
-@click.option(
-    "--processes",
-    type=click.IntRange(min=1),
-    default=2,
-    show_default=True,
-    help="Worker processes.",
-)
-@click.option(
-    "--threads",
-    type=click.IntRange(min=1),
-    default=4,
-    show_default=True,
-    help="Threads per worker process.",
-)
+@processes_option(2, "Worker processes.")
+@threads_option(4, "Threads per worker process.")
 @click.option(
     "--timeout",
     type=click.FloatRange(min=1),
@@ -90,13 +77,13 @@ def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
 @click.option(
     "--api-url",
     default=None,
-    callback=_http_url,
+    callback=http_url,
     help="Use this payment/e-mail API instead of starting one.",
 )
 @click.option(
     "--worker-metrics-url",
     default=None,
-    callback=_http_url,
+    callback=http_url,
     help="With --external: the workers' /metrics URL, to count the duplicates they absorbed.",
 )
 @click.option(
@@ -104,7 +91,7 @@ def _http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> 
     is_flag=True,
     help="Against configured servers: keep the demo's own schemas and Redis keys.",
 )
-@click.option("--seed", type=int, default=None, help="Seed for orders and injected faults.")
+@seed_option("Seed for orders and injected faults.")
 def demo(**options: object) -> None:
     """Run an order workflow through a real pipeline and check its guarantees.
 

@@ -1,0 +1,175 @@
+"""Option groups that several commands share, written once.
+
+Each is a decorator (``@json_option()``) or a function that returns one, so that the
+flags, their help and their checks stay the same wherever they appear. Importing this
+module is cheap (click and the settings): ``pipeline --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from pipeline.config import Settings, load_settings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def settings_of(ctx: click.Context, apps: tuple[str, ...] = ()) -> Settings:
+    """The PIPELINE_* settings (read once per invocation), plus any ``--app`` modules."""
+    settings: Settings = ctx.ensure_object(dict).setdefault("settings", load_settings())
+    if apps:
+        settings = settings.replace(app_modules=",".join([*settings.app_module_names(), *apps]))
+    return settings
+
+
+def _stack(options: list[Callable[[F], F]]) -> Callable[[F], F]:
+    def decorate(function: F) -> F:
+        for option in reversed(options):
+            function = option(function)
+        return function
+
+    return decorate
+
+
+def json_option(help: str = "Print one JSON object.") -> Callable[[F], F]:
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def apps_option() -> Callable[[F], F]:
+    return click.option(
+        "--app", "apps", multiple=True, help="Module that registers consumers (repeatable)."
+    )
+
+
+def dry_run_option(help: str) -> Callable[[F], F]:
+    return click.option("--dry-run", is_flag=True, help=help)
+
+
+def reason_option() -> Callable[[F], F]:
+    return click.option("--reason", help="Why (kept in the audit log); required unless --dry-run.")
+
+
+def limit_option(default: int | None, help: str) -> Callable[[F], F]:
+    return click.option(
+        "--limit",
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
+def waiting_option() -> Callable[[F], F]:
+    return click.option("--waiting", is_flag=True, help="Only dead letters not replayed yet.")
+
+
+def metrics_port_option(name: str, help: str) -> Callable[[F], F]:
+    return click.option(
+        "--metrics-port", name, type=click.IntRange(0, 65535), default=None, help=help
+    )
+
+
+def processes_option(
+    default: int,
+    help: str | None = None,
+    *,
+    short: tuple[str, ...] = (),
+) -> Callable[[F], F]:
+    return click.option(
+        "--processes",
+        *short,
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=True,
+        help=help,
+    )
+
+
+def threads_option(
+    default: int,
+    help: str | None = None,
+    *,
+    short: tuple[str, ...] = (),
+) -> Callable[[F], F]:
+    return click.option(
+        "--threads",
+        *short,
+        type=click.IntRange(min=1),
+        default=default,
+        show_default=True,
+        help=help,
+    )
+
+
+def events_option(default: int, help: str) -> Callable[[F], F]:
+    return click.option(
+        "--events", "-n", type=click.IntRange(min=1), default=default, show_default=True, help=help
+    )
+
+
+def seed_option(help: str) -> Callable[[F], F]:
+    return click.option("--seed", type=int, default=None, help=help)
+
+
+def server_url_options(database: str, redis: str) -> Callable[[F], F]:
+    """``--database-url`` and ``--redis-url``: servers to use instead of throwaway ones."""
+    return _stack(
+        [
+            click.option("--database-url", default=None, help=database),
+            click.option("--redis-url", default=None, help=redis),
+        ]
+    )
+
+
+def dead_letter_filters() -> Callable[[F], F]:
+    """The FILTERS of ``pipeline dlq`` list, replay and purge."""
+    return _stack(
+        [
+            click.option(
+                "--stage", type=click.Choice(["publish", "consume"]), help="Only this stage."
+            ),
+            click.option("--consumer", metavar="NAME", help="Only this consumer's dead letters."),
+            click.option("--event-type", metavar="TYPE", help="Only events of this type."),
+            click.option(
+                "--error-class", metavar="CLASS", help="Only this error class (e.g. CardDeclined)."
+            ),
+            click.option(
+                "--since",
+                metavar="T",
+                help="Dead-lettered at or after T: ISO-8601 (no offset: UTC) or a duration back "
+                "from now such as 30m, 2h, 7d.",
+            ),
+            click.option("--until", metavar="T", help="Dead-lettered before T (as --since)."),
+            click.option(
+                "--id",
+                "ids",
+                type=int,
+                multiple=True,
+                metavar="DEAD_LETTER_ID",
+                help="This dead letter (repeatable).",
+            ),
+            click.option(
+                "--event-id",
+                "event_ids",
+                multiple=True,
+                metavar="UUID",
+                help="This event (repeatable).",
+            ),
+            click.option(
+                "--caused-by",
+                metavar="EVENT_ID",
+                help="The dead letters of every event in the causation chain under EVENT_ID "
+                "(the event and its follow-up events, at any depth).",
+            ),
+        ]
+    )
+
+
+def http_url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Callback of options that take a base URL."""
+    if value is not None and not value.startswith(("http://", "https://")):
+        raise click.BadParameter("expected an http:// or https:// URL")
+    return value

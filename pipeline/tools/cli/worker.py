@@ -1,0 +1,136 @@
+"""``pipeline worker``: Dramatiq worker processes for the publishing and inbox actors."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from pipeline.tools.cli.options import (
+    apps_option,
+    metrics_port_option,
+    processes_option,
+    settings_of,
+    threads_option,
+)
+from pipeline.tools.cli.services import check_database, stop_on_signals
+
+
+@click.command(context_settings={"ignore_unknown_options": True})
+@processes_option(2, short=("-p",))
+@threads_option(8, short=("-t",))
+@click.option("--queues", "-Q", multiple=True, help="Only consume these queues.")
+@apps_option()
+@metrics_port_option(
+    "metrics_port_option",
+    "Port of the workers' /metrics endpoint (default PIPELINE_WORKER_METRICS_PORT, 9465; "
+    "0 disables and runs dramatiq in place of this process).",
+)
+@click.argument("dramatiq_args", nargs=-1, type=click.UNPROCESSED)
+@click.pass_context
+def worker(
+    ctx: click.Context,
+    processes: int,
+    threads: int,
+    queues: tuple[str, ...],
+    apps: tuple[str, ...],
+    metrics_port_option: int | None,
+    dramatiq_args: tuple[str, ...],
+) -> None:
+    """Run Dramatiq worker processes for the publishing and inbox actors.
+
+    This process supervises dramatiq and serves the metrics of all its worker processes
+    (prometheus_client multiprocess mode); stop it with SIGTERM. Extra arguments are
+    passed to the dramatiq command line. Started before Postgres, Redis or `pipeline db
+    upgrade`, it waits for them (one log line per try) before starting dramatiq.
+    """
+    import os
+    import threading
+
+    from pipeline.db.privileges import worker_grants
+    from pipeline.observability.logging import configure_logging
+    from pipeline.readiness import wait_for_services
+    from pipeline.registry import validate_queue_name
+    from pipeline.relay.actors import PUBLISH_QUEUE_NAME
+    from pipeline.runtime import build_runtime
+
+    settings = settings_of(ctx, apps)
+    settings.require_redis_url()
+    settings.require_database_url()
+    for queue in queues:
+        validate_queue_name(queue)
+    runtime = build_runtime(settings)  # import errors and bad settings: one line, here
+    try:
+        _check_queues(queues, runtime.broker.get_declared_queues())
+    finally:
+        runtime.close()
+    argv = [
+        sys.executable,
+        "-m",
+        "dramatiq",
+        "pipeline.worker",
+        "--processes",
+        str(processes),
+        "--threads",
+        str(threads),
+    ]
+    for queue in queues:
+        argv += ["--queues", queue]
+    argv += _checked_dramatiq_args(dramatiq_args)
+    configure_logging(settings)
+    stop = threading.Event()
+    stop_on_signals(stop.set)
+    if not wait_for_services(settings, redis_needed=True, stop=stop, role="worker"):
+        return
+    publishing = not queues or PUBLISH_QUEUE_NAME in queues
+    check_database(settings, worker_grants(publishing=publishing), "pipeline worker")
+    env = dict(os.environ)
+    env["PIPELINE_APP_MODULES"] = settings.app_modules
+    env["dramatiq_worker_timeout"] = str(settings.worker_timeout_ms)
+    from pipeline.observability.metrics import MULTIPROC_ENV, metrics_port
+
+    port = metrics_port(settings, "worker") if metrics_port_option is None else metrics_port_option
+    if port == 0 and not env.get(MULTIPROC_ENV):
+        os.execve(sys.executable, argv, env)  # noqa: S606 - replace this process with dramatiq
+    from pipeline.observability.workers import run_dramatiq_with_metrics
+
+    ctx.exit(run_dramatiq_with_metrics(argv, env, settings, port))
+
+
+def _check_queues(wanted: tuple[str, ...], declared: set[str]) -> None:
+    known = declared | {f"{name}.DQ" for name in declared}
+    unknown = [name for name in wanted if name not in known]
+    if unknown:
+        raise click.BadParameter(
+            f"{', '.join(map(repr, unknown))} is not a queue of this worker; "
+            f"expected one of {', '.join(sorted(declared))}",
+            param_hint="'--queues' / '-Q'",
+        )
+
+
+def _checked_dramatiq_args(args: tuple[str, ...]) -> list[str]:
+    """The extra arguments, checked with dramatiq's own parser before anything starts."""
+    import argparse
+    import importlib.util
+
+    from dramatiq.cli import make_argument_parser
+
+    parser = make_argument_parser()  # type: ignore[no-untyped-call]
+    parser.exit_on_error = False
+    try:
+        parsed, unknown = parser.parse_known_args(["pipeline.worker", *args])
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise click.UsageError(f"bad dramatiq argument: {exc}") from None
+    if unknown:
+        raise click.UsageError(
+            f"no such option: {' '.join(unknown)} (not a pipeline worker or dramatiq option; "
+            "see `dramatiq --help`)"
+        )
+    for module in parsed.modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            raise click.UsageError(f"extra argument {module!r} is not an importable module")
+    return list(args)
