@@ -10,6 +10,7 @@ from pipeline.tools.cli.options import (
     http_url,
     json_option,
     processes_option,
+    rate_option,
     seed_option,
     threads_option,
 )
@@ -21,13 +22,11 @@ from pipeline.tools.cli.options import (
     "Orders to place (each makes order.placed -> payment.charged -> stock.reserved), "
     "plus one poison order.",
 )
-@click.option(
-    "--rate",
-    type=click.FloatRange(min=0),
-    default=25.0,
-    show_default=True,
-    help="Orders per second the producer places (0: as fast as it can). Latency is measured "
+@rate_option(
+    25.0,
+    "Orders per second the producer places (0: as fast as it can). Latency is measured "
     "at this rate; above what the machine sustains it turns into queueing time.",
+    zero_allowed=True,
 )
 @json_option("Print only a JSON summary on stdout.")
 @click.option(

@@ -17,6 +17,7 @@ from pipeline.tools.cli.options import (
     dry_run_option,
     json_option,
     limit_option,
+    rate_option,
     reason_option,
     settings_of,
     waiting_option,
@@ -131,13 +132,7 @@ def show_command(ctx: click.Context, dead_letter_id: int, payload: bool, as_json
     "external calls, which are recorded and not made). Nothing is replayed.",
 )
 @limit_option(None, "Replay at most this many.")
-@click.option(
-    "--rate",
-    type=click.FloatRange(min=0, min_open=True),
-    default=None,
-    metavar="EVENTS_PER_SECOND",
-    help="Pace the replay (default: as fast as it goes).",
-)
+@rate_option(None, "Pace the replay (default: as fast as it goes).", metavar="EVENTS_PER_SECOND")
 @reason_option()
 @apps_option()
 @json_option()

@@ -9,6 +9,7 @@ from pipeline.tools.cli.options import (
     events_option,
     json_option,
     processes_option,
+    rate_option,
     seed_option,
     server_url_options,
     threads_option,
@@ -40,13 +41,7 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     help="Faults to inject; each selected kind at least once when there are enough.",
 )
 @seed_option("Seed of the orders and the fault schedule.")
-@click.option(
-    "--rate",
-    type=click.FloatRange(min=0, min_open=True),
-    default=100.0,
-    show_default=True,
-    help="Orders per second.",
-)
+@rate_option(100.0, "Orders per second.")
 @click.option("--fault-kinds", callback=_kinds, default=None, help=FAULT_KINDS_HELP)
 @click.option(
     "--recovery-timeout",

@@ -62,6 +62,24 @@ def limit_option(default: int | None, help: str) -> Callable[[F], F]:
     )
 
 
+def rate_option(
+    default: float | None,
+    help: str,
+    *,
+    zero_allowed: bool = False,
+    metavar: str | None = None,
+) -> Callable[[F], F]:
+    """``--rate``: a pace in events (or orders) per second."""
+    return click.option(
+        "--rate",
+        type=click.FloatRange(min=0, min_open=not zero_allowed),
+        default=default,
+        show_default=default is not None,
+        metavar=metavar,
+        help=help,
+    )
+
+
 def waiting_option() -> Callable[[F], F]:
     return click.option("--waiting", is_flag=True, help="Only dead letters not replayed yet.")
 
