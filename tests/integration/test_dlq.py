@@ -516,6 +516,36 @@ def test_replay_keeps_sequence_order_and_limit(engine, dlq_settings):
     assert [r["id"] for r in rest["results"]] == [d for _, d in made[3:]]
 
 
+def test_replay_is_an_operation_that_returns_what_it_did_and_prints_nothing(
+    engine, dlq_settings, capsys
+):
+    from pipeline.tools.ops.dlq.access import audit_log
+    from pipeline.tools.ops.dlq.filters import build_filter
+    from pipeline.tools.ops.dlq.replay_run import ReplayRequest, replay_dead_letters
+
+    made = fabricate(engine, 3)
+    scope = build_filter(consumer="payments")
+    dry = replay_dead_letters(dlq_settings, ReplayRequest(scope, dry_run=True))
+    assert dry.report is None and dry.sandbox is None
+    assert [step.letter.id for step in dry.plan.acting] == [d for _, d in made]
+    assert (
+        queues(dlq_settings)["pipeline.payments"] == [] and audit_log(dlq_settings, limit=5) == []
+    )
+    seen: list[int] = []
+    done = replay_dead_letters(
+        dlq_settings,
+        ReplayRequest(scope, "from Python", limit=2),
+        lambda result: seen.append(result.step.letter.id),
+    )
+    assert done.report is not None and not done.failed
+    assert seen == [d for _, d in made[:2]] and done.report.count("replayed") == 2
+    assert queues(dlq_settings)["pipeline.payments"] == [[str(e)] for e, _ in made[:2]]
+    (record,) = audit_log(dlq_settings, limit=5)
+    assert (record.id, record.action, record.affected) == (done.report.audit_id, "dlq.replay", 2)
+    assert record.parameters["reason"] == "from Python"
+    assert capsys.readouterr() == ("", "")
+
+
 def test_causation_chain_time_window_and_show(engine, dlq_settings):
     from sqlalchemy.orm import Session
 

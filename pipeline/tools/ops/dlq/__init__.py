@@ -1,1 +1,2 @@
-"""Dead-letter tools behind ``pipeline dlq``: filters, listing, replay, purge."""
+"""Dead-letter tools behind ``pipeline dlq``: filters, reads (``access``), replay (``replay``
+per dead letter, ``replay_run`` for a whole request), the sandbox, purge."""
