@@ -1,7 +1,7 @@
 """The ops kit as code: Prometheus rules and Grafana dashboards, rendered per deployment.
 
 The repository's ``alerts/`` and ``dashboards/`` are this package's output with the
-default :class:`KitOptions`; ``python -m pipeline.tools.opskit`` renders them with your job
+default :class:`KitOptions`; ``pipeline opskit`` renders them with your job
 names, runbook and Grafana URLs (docs/operations.md).
 """
 

@@ -1,7 +1,7 @@
 """What differs between deployments of the ops kit: job names, base URLs, the latency SLO.
 
 The committed files in ``alerts/`` and ``dashboards/`` are rendered with the defaults
-below; ``python -m pipeline.tools.opskit`` renders them again with a deployment's own values
+below; ``pipeline opskit`` renders them again with a deployment's own values
 (see docs/operations.md). Everything else in the kit is the same everywhere.
 """
 
