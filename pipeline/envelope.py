@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import cached_property
@@ -49,6 +49,26 @@ class OutboxEvent:
     headers_json: str
     attempts: int
     created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Sequence[Any]) -> OutboxEvent:
+        """An event from an outbox row's columns in the order the stores select them:
+        id, seq, aggregate_type, aggregate_id, ordering_key, event_type, event_version,
+        payload and headers (as JSON text), attempts, created_at. Extra columns are ignored.
+        """
+        return cls(
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            row[5],
+            row[6],
+            row[7],
+            row[8] or "{}",
+            row[9],
+            row[10],
+        )
 
     @cached_property
     def headers(self) -> dict[str, Any]:

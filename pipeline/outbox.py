@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -29,7 +30,7 @@ from sqlalchemy.orm import Session
 from pipeline.config import Settings, get_settings
 from pipeline.db.connect import permission_denied
 from pipeline.db.ordering import ordering_lock_bucket
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.outbox import OutboxStore
 from pipeline.errors import BacklogFull, EventValidationError, PermissionDeniedError
 from pipeline.ids import uuid7
 from pipeline.observability.tracing import span_headers, start_create_span
@@ -192,9 +193,7 @@ class BacklogGate:
         return counted is None or time.monotonic() - counted[0] >= self.REFRESH_SECONDS
 
     def query(self, settings: Settings) -> tuple[str, dict[str, Any]]:
-        return queries_for(settings.schema_name).text("backlog_count"), {
-            "limit": settings.backlog_limit + 1
-        }
+        return _store(settings).backlog_count(settings.backlog_limit + 1)
 
     def record(self, settings: Settings, unsent: int) -> None:
         with self._lock:
@@ -223,14 +222,17 @@ _gate = BacklogGate()
 def _insert(rows: list[dict[str, Any]], settings: Settings) -> tuple[str, dict[str, Any]]:
     """One INSERT for all rows (a precompiled statement: the hot path skips SQLAlchemy's
     compiler), with the rows in the order their ordering keys are locked."""
-    queries = queries_for(settings.schema_name)
-    if len(rows) == 1:
-        return queries.text("outbox_insert_one"), rows[0]
-    ordered = insertion_order(rows)
-    return queries.text("outbox_insert"), {
-        parameter: [row[column] for row in ordered]
-        for parameter, column in INSERT_PARAMETERS.items()
-    }
+    ordered = rows if len(rows) == 1 else insertion_order(rows)
+    return _store(settings).insert(ordered, INSERT_PARAMETERS)
+
+
+@lru_cache(maxsize=8)
+def _store_for(schema: str) -> OutboxStore:
+    return OutboxStore(schema)
+
+
+def _store(settings: Settings) -> OutboxStore:
+    return _store_for(settings.schema_name)
 
 
 def prepare_rows(events: Sequence[NewEvent], settings: Settings) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.diagnostics import DiagnosticsStore
 from pipeline.errors import PermissionDeniedError
 
 Grants = Mapping[str, frozenset[str]]
@@ -132,15 +132,8 @@ def missing_privileges(
     for) by the process itself.
     """
     pairs = sorted((table, privilege) for table, wanted in grants.items() for privilege in wanted)
-    rows = conn.execute(
-        queries_for(schema)["missing_privileges"],
-        {
-            "schema_name": schema,
-            "tables": [table for table, _ in pairs],
-            "privileges": [privilege for _, privilege in pairs],
-        },
-    ).fetchall()
-    role = str(rows[0][0]) if rows else ""
+    rows = DiagnosticsStore(schema).missing_grants(conn, pairs)
+    role = rows[0].role if rows else ""
     missing = [
         f"USAGE on schema {schema}" if table is None else f"{privilege} on {schema}.{table}"
         for _, table, privilege in rows

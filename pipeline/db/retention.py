@@ -33,7 +33,7 @@ from typing import Any
 import psycopg
 
 from pipeline.config import Settings
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.retention import RetentionStore
 
 log = logging.getLogger("pipeline.retention")
 
@@ -148,14 +148,13 @@ class Pruner:
         self.policy = policy
         self.on_batch = on_batch
         self.pause = pause  # seconds between batches: room for producers' I/O
-        self.queries = queries_for(schema)
+        self.store = RetentionStore(schema)
 
     def lock(self, conn: psycopg.Connection[Any]) -> bool:
-        row = conn.execute(self.queries["prune_lock"], {"schema_name": self.schema}).fetchone()
-        return bool(row and row[0])
+        return self.store.lock(conn)
 
     def unlock(self, conn: psycopg.Connection[Any]) -> None:
-        conn.execute(self.queries["prune_unlock"], {"schema_name": self.schema})
+        self.store.unlock(conn)
 
     def run(
         self,
@@ -198,7 +197,6 @@ class Pruner:
         stop: threading.Event | None,
     ) -> TablePrune:
         part = TablePrune(table, cutoff)
-        query = self.queries[f"prune_{table}"]
         after = _BEGINNING
         limit = self.policy.batch_size
         while True:
@@ -209,10 +207,9 @@ class Pruner:
                     # A batch lost in a crash is done again next pass: no need to wait
                     # for its WAL flush (and no flush competing with producers' commits).
                     conn.execute("SET LOCAL synchronous_commit = off")
-                    row = conn.execute(
-                        query,
-                        {"cutoff": cutoff, "after": after, "limit": limit, "dry_run": dry_run},
-                    ).fetchone()
+                    batch = self.store.prune_batch(
+                        conn, table, cutoff=cutoff, after=after, limit=limit, dry_run=dry_run
+                    )
             except (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled) as exc:
                 part.complete = False
                 log.warning(
@@ -220,8 +217,7 @@ class Pruner:
                     extra={"table": table, "error_class": type(exc).__name__},
                 )
                 return part
-            assert row is not None  # an aggregate always returns its row
-            eligible, deleted, scanned, last = (int(row[0]), int(row[1]), int(row[2]), row[3])
+            eligible, deleted, scanned, last = batch
             part.batches += 1
             part.eligible += eligible
             part.deleted += deleted

@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session
 
 from pipeline.config import Settings
 from pipeline.db.ordering import ordering_lock_bucket
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.inbox import ConsumeDeadLetter, InboxStore
 from pipeline.envelope import EnvelopeError, ReceivedEvent, decode_envelope
 from pipeline.errors import error_text
 from pipeline.inbox.consumer import ConsumerDefinition
@@ -108,7 +108,7 @@ class InboxProcessor:
         self.engine = engine
         self.resend = resend
         self.upcasters = upcaster_registry
-        self.queries = queries_for(settings.schema_name)
+        self.store = InboxStore(settings.schema_name)
         self.policy = definition.policy(settings)
 
     # -- a message -------------------------------------------------------------------------
@@ -232,23 +232,7 @@ class InboxProcessor:
         self, connection: Connection, events: Sequence[ReceivedEvent]
     ) -> dict[uuid.UUID, int]:
         """Claim every event in one statement: attempt numbers of those not yet done."""
-        if len(events) == 1:  # scalar parameters: binding one-element arrays costs more
-            (event,) = events
-            row = connection.exec_driver_sql(
-                self.queries.text("inbox_claim"), self._key_params(event)
-            ).first()
-            return {} if row is None else {event.id: int(row[0])}
-        rows = connection.exec_driver_sql(
-            self.queries.text("inbox_claim_many"),
-            {
-                "consumer": self.subscription.consumer,
-                "event_ids": [event.id for event in events],
-                "event_types": [event.type for event in events],
-                "ordering_keys": [event.ordering_key for event in events],
-                "seqs": [event.seq for event in events],
-            },
-        ).all()
-        return {row[0]: int(row[1]) for row in rows}
+        return self.store.claim_many(connection, self.subscription.consumer, events)
 
     def _count(self, committed: Committed, outcome: Outcome) -> None:
         """Metrics of what the fast way committed (nothing of it counts before the commit)."""
@@ -264,9 +248,8 @@ class InboxProcessor:
         """Record this message's duplicates in ``delivery_log``, in its transaction."""
         seen = committed.duplicates + committed.copies + outcome.duplicate_events
         if seen:
-            session.connection().exec_driver_sql(
-                self.queries.text("inbox_log_duplicates"),
-                {"consumer": self.subscription.consumer, "event_ids": [e.id for e in seen]},
+            self.store.log_duplicates(
+                session.connection(), self.subscription.consumer, [e.id for e in seen]
             )
 
     def _count_duplicate(self, event: ReceivedEvent, outcome: Outcome) -> None:
@@ -328,15 +311,7 @@ class InboxProcessor:
         outcome.resends.extend(held.values())
 
     def _predecessor_unfinished(self, connection: Connection, event: ReceivedEvent) -> bool:
-        row = connection.exec_driver_sql(
-            self.queries.text("inbox_predecessor_unfinished"),
-            {
-                "consumer": self.subscription.consumer,
-                "ordering_key": event.ordering_key,
-                "seq": event.seq,
-            },
-        ).first()
-        return bool(row and row[0])
+        return self.store.predecessor_unfinished(connection, self.subscription.consumer, event)
 
     # -- an event --------------------------------------------------------------------------
     def _handle_one(
@@ -353,13 +328,10 @@ class InboxProcessor:
         # releases them all, a round trip fewer per event (the next one nests inside it).
         savepoint = None if alone else session.begin_nested()
         connection = session.connection()  # emits the SAVEPOINT now: the claim must be inside
-        row = connection.exec_driver_sql(
-            self.queries.text("inbox_claim"), self._key_params(event)
-        ).first()
-        if row is None:
+        attempt = self.store.claim(connection, consumer, event)
+        if attempt is None:
             self._count_duplicate(event, outcome)
             return None
-        attempt = int(row[0])
         started = time.perf_counter()
         with tracing.process_span(event, consumer, attempt) as span:
             try:
@@ -398,15 +370,16 @@ class InboxProcessor:
         permanent = isinstance(exc, self.definition.non_retryable)
         dead = permanent or attempt > self.policy.retries
         delay = 0.0 if dead else self.policy.retry_delay(attempt)
-        params = {
-            **self._key_params(event),
-            "error": error_text(exc),
-            "error_class": type(exc).__name__,
-            "status": "dead" if dead else "failed",
-            "retry_in": delay,
-        }
-        recorded = connection.exec_driver_sql(self.queries.text("inbox_fail"), params).first()
-        if recorded is None:
+        recorded = self.store.fail(
+            connection,
+            consumer,
+            event,
+            error=error_text(exc),
+            error_class=type(exc).__name__,
+            dead=dead,
+            retry_in=delay,
+        )
+        if not recorded:
             # Rolling back to the savepoint released the claim's row lock, and a concurrent
             # copy of this event has since processed (or dead-lettered) it: a duplicate.
             outcome.duplicates += 1
@@ -439,15 +412,6 @@ class InboxProcessor:
         outcome.retried += 1
         return Resend([envelope], delay)
 
-    def _key_params(self, event: ReceivedEvent) -> dict[str, Any]:
-        return {
-            "consumer": self.subscription.consumer,
-            "event_id": event.id,
-            "event_type": event.type,
-            "ordering_key": event.ordering_key,
-            "seq": event.seq,
-        }
-
     # -- dead letters ----------------------------------------------------------------------
     def _dead_letter(
         self,
@@ -458,20 +422,19 @@ class InboxProcessor:
         attempts: int,
         connection: Connection,
     ) -> None:
-        connection.exec_driver_sql(
-            self.queries.text("inbox_dead_letter"),
-            {
-                "event_id": event.id,
-                "consumer": self.subscription.consumer,
-                "event_type": event.type,
-                "queue": self.subscription.queue,
-                "reason": reason,
-                "error_class": type(exc).__name__,
-                "error": error_text(exc),
-                "attempts": attempts,
-                "envelope": json.dumps(envelope),
-                "raw_message": None,
-            },
+        self.store.dead_letter(
+            connection,
+            ConsumeDeadLetter(
+                event_id=event.id,
+                consumer=self.subscription.consumer,
+                event_type=event.type,
+                queue=self.subscription.queue,
+                reason=reason,
+                error_class=type(exc).__name__,
+                error=error_text(exc),
+                attempts=attempts,
+                envelope=json.dumps(envelope),
+            ),
         )
         metrics.dead_letters.labels("consume", event.type, type(exc).__name__).inc()
         log.error(
@@ -518,27 +481,25 @@ def record_unreadable(
         envelope_json = json.dumps(envelope) if envelope is not None else None
     except (TypeError, ValueError):
         envelope_json = None
+    store = InboxStore(settings.schema_name)
     with engine.begin() as connection:
-        connection.exec_driver_sql(
-            queries_for(settings.schema_name).text("inbox_dead_letter"),
-            {
-                "event_id": event_id,
-                "consumer": consumer,
-                "event_type": event_type,
-                "queue": queue,
-                "reason": reason,
-                "error_class": "UnprocessableMessage",
-                "error": reason,
-                "attempts": 0,
-                "envelope": envelope_json,
-                "raw_message": raw.decode("utf-8", "backslashreplace") if raw is not None else None,
-            },
+        store.dead_letter(
+            connection,
+            ConsumeDeadLetter(
+                event_id=event_id,
+                consumer=consumer,
+                event_type=event_type,
+                queue=queue,
+                reason=reason,
+                error_class="UnprocessableMessage",
+                error=reason,
+                attempts=0,
+                envelope=envelope_json,
+                raw_message=raw.decode("utf-8", "backslashreplace") if raw is not None else None,
+            ),
         )
         if consumer is not None and carried:
-            connection.exec_driver_sql(
-                queries_for(settings.schema_name).text("inbox_give_up"),
-                {"consumer": consumer, "event_ids": carried, "error": reason},
-            )
+            store.give_up(connection, consumer, carried, reason)
     metrics.dead_letters.labels("consume", event_type or "unknown", "UnprocessableMessage").inc()
     log.error("unprocessable message dead-lettered", extra={"queue": queue, "reason": reason})
 

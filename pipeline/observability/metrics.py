@@ -8,7 +8,7 @@ multi-process workers ``prometheus_client``'s multiprocess mode aggregates them
 serves the aggregate). Gauges therefore declare how processes combine.
 
 State read from Postgres and Redis (backlog, oldest pending age, dead letters, queue
-depths) is not here: :class:`pipeline.tools.ops.state.StateCollector` serves it,
+depths) is not here: :class:`pipeline.relay.state.StateCollector` serves it,
 cached, from the relay process only.
 """
 

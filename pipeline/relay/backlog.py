@@ -16,7 +16,7 @@ from typing import Any
 import psycopg
 
 from pipeline.config import Settings
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.outbox import OutboxStore
 from pipeline.observability import metrics
 
 log = logging.getLogger("pipeline.relay")
@@ -34,7 +34,7 @@ class BacklogMonitor:
     def __init__(self, settings: Settings, check_interval: float = CHECK_INTERVAL) -> None:
         self.threshold = settings.backlog_warn
         self.check_interval = check_interval
-        self.query = queries_for(settings.schema_name)["backlog_count"]
+        self.store = OutboxStore(settings.schema_name)
         self.over = False
         self._next_check = 0.0
         self._last_log = float("-inf")
@@ -43,8 +43,7 @@ class BacklogMonitor:
         if not self.threshold or time.monotonic() < self._next_check:
             return
         self._next_check = time.monotonic() + self.check_interval
-        row = conn.execute(self.query, {"limit": self.threshold + 1}).fetchone()
-        self.record(int(row[0]) if row else 0)
+        self.record(self.store.count_backlog(conn, self.threshold + 1))
 
     def record(self, unsent: int) -> None:
         """Set the gauge and log for a count (at most ``threshold + 1``)."""

@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.outbox import OutboxStore
 from pipeline.ids import uuid7
 from pipeline.registry import CANARY_EVENT_TYPE
 
@@ -22,12 +22,10 @@ from pipeline.registry import CANARY_EVENT_TYPE
 def emit_canary(conn: psycopg.Connection[Any], schema: str) -> None:
     """Commit one canary event (the connection is in autocommit mode)."""
     event_id = uuid7()
-    conn.execute(
-        queries_for(schema)["canary_insert"],
-        {
-            "id": event_id,
-            "event_type": CANARY_EVENT_TYPE,
-            "payload": json.dumps({"emitted_at": time.time()}),
-            "headers": json.dumps({"correlation_id": str(event_id)}),
-        },
+    OutboxStore(schema).insert_canary(
+        conn,
+        event_id,
+        CANARY_EVENT_TYPE,
+        json.dumps({"emitted_at": time.time()}),
+        json.dumps({"correlation_id": str(event_id)}),
     )

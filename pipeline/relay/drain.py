@@ -24,7 +24,14 @@ import psycopg
 
 from pipeline.backoff import full_jitter
 from pipeline.config import Settings
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.outbox import (
+    DeadEvent,
+    ExpectedDelivery,
+    OutboxStore,
+    Retry,
+    SentRow,
+    Settlement,
+)
 from pipeline.envelope import OutboxEvent
 from pipeline.errors import error_text
 from pipeline.observability import metrics, tracing
@@ -111,41 +118,20 @@ class Drainer:
         self.registry = registry
         self.owner = owner
         self.conn = connection
-        self.queries = queries_for(settings.schema_name)
+        self.store = OutboxStore(settings.schema_name)
         self.rng = rng or random.Random()
 
     def claim(self, limit: int | None = None) -> tuple[int, list[OutboxEvent]]:
         """Lease up to ``limit`` due events; returns the fencing token and the events in order."""
         token = secrets.randbits(62)
-        batch_size = limit or self.settings.batch_size
-        params = {
-            "schema_name": self.settings.schema_name,
-            "scan_limit": batch_size * 2,
-            "max_run": self.settings.max_events_per_message,
-            "batch_size": batch_size,
-            "token": token,
-            "owner": self.owner,
-            "lease_seconds": self.settings.lease_seconds,
-        }
-        # One statement on the autocommit connection: lock, claim and commit in one round
-        # trip (the function takes the claim lock before its snapshot; functions.sql).
-        rows = self.conn.execute(self.queries["claim"], params, binary=True).fetchall()
-        events = [
-            OutboxEvent(
-                id=row[0],
-                seq=row[1],
-                aggregate_type=row[2],
-                aggregate_id=row[3],
-                ordering_key=row[4],
-                event_type=row[5],
-                event_version=row[6],
-                payload_json=row[7],
-                headers_json=row[8],
-                attempts=row[9],
-                created_at=row[10],
-            )
-            for row in rows
-        ]
+        events = self.store.claim(
+            self.conn,
+            token=token,
+            owner=self.owner,
+            batch_size=limit or self.settings.batch_size,
+            max_run=self.settings.max_events_per_message,
+            lease_seconds=self.settings.lease_seconds,
+        )
         events.sort(key=lambda e: e.seq)
         return token, events
 
@@ -163,9 +149,7 @@ class Drainer:
             failures = self._deliver(deliveries)
         except PublisherUnavailable as exc:
             with self.conn.transaction():
-                self.conn.execute(
-                    self.queries["release"], {"ids": [e.id for e in events], "token": token}
-                )
+                self.store.release(self.conn, [e.id for e in events], token)
             for event in events:
                 metrics.publish_failures.labels(event.event_type, type(exc).__name__).inc()
             raise
@@ -199,8 +183,8 @@ class Drainer:
         failures: dict[uuid.UUID, BaseException],
         result: BatchResult,
     ) -> None:
-        sent: list[uuid.UUID] = []
-        released: list[uuid.UUID] = []
+        settlement = Settlement(token)
+        sent, released = settlement.sent, settlement.released
         retry: list[tuple[OutboxEvent, BaseException]] = []
         dead: list[tuple[OutboxEvent, BaseException, str]] = []
         blocked_keys: set[str] = set()
@@ -221,32 +205,30 @@ class Drainer:
                 dead.append((event, error, f"gave up after {event.attempts} attempts"))
             else:
                 retry.append((event, error))
-        statements: list[tuple[str, dict[str, Any]]] = []
         if sent:
-            statements.append(("mark_sent", self._mark_sent_params(token, events, sent)))
-            expected = self._expected_deliveries(events, set(sent))
-            if expected is not None:
-                statements.append(("inbox_expect", expected))
-        if released:
-            statements.append(("release", {"ids": released, "token": token}))
-        if retry:
-            statements.append(("schedule_retry", self._retry_params(token, retry)))
-        if dead:
-            statements.append(
-                (
-                    "dead_letter",
-                    {
-                        "token": token,
-                        "ids": [e.id for e, _, _ in dead],
-                        "reasons": [reason for _, _, reason in dead],
-                        "error_classes": [type(x).__name__ for _, x, _ in dead],
-                        "errors": [error_text(x) for _, x, _ in dead],
-                    },
-                )
+            settlement.routes = self._routes(events)
+            settlement.expected = self._expected_deliveries(events, set(sent))
+        settlement.retries = [
+            Retry(
+                event.id,
+                full_jitter(
+                    event.attempts,
+                    self.settings.publish_backoff_base,
+                    self.settings.publish_backoff_max,
+                    self.rng,
+                ),
+                type(error).__name__,
+                error_text(error),
             )
-        marked = self._record_outcome(statements) if statements else None
-        if marked is not None:
-            self._count_sent(marked.fetchall(), result)
+            for event, error in retry
+        ]
+        settlement.dead = [
+            DeadEvent(event.id, reason, type(error).__name__, error_text(error))
+            for event, error, reason in dead
+        ]
+        marked = self.store.settle(self.conn, settlement)
+        if marked:
+            self._count_sent(marked, result)
         for event, error, reason in dead:
             metrics.dead_letters.labels("publish", event.event_type, type(error).__name__).inc()
             log.error(
@@ -260,84 +242,33 @@ class Drainer:
             )
         result.released, result.retried, result.dead = len(released), len(retry), len(dead)
 
-    def _record_outcome(self, statements: list[tuple[str, dict[str, Any]]]) -> Any:
-        """Run the outcome in one round trip; returns mark_sent's cursor, if it ran.
-
-        The common outcome, every event sent to unordered consumers, is one statement on
-        the autocommit connection; anything more is one transaction sent as a pipeline.
-        """
-        cursors: dict[str, Any] = {}
-        if len(statements) == 1:
-            name, params = statements[0]
-            cursors[name] = self.conn.execute(self.queries[name], params, binary=True)
-        else:
-            with self.conn.pipeline(), self.conn.transaction():
-                for name, params in statements:
-                    cursors[name] = self.conn.execute(self.queries[name], params, binary=True)
-        return cursors.get("mark_sent")
-
-    def _mark_sent_params(
-        self, token: int, events: list[OutboxEvent], sent: list[uuid.UUID]
-    ) -> dict[str, Any]:
-        """mark_sent's parameters: the ids, and the consumers of each event type among them."""
-        types = sorted({event.event_type for event in events})
+    def _routes(self, events: list[OutboxEvent]) -> dict[str, str]:
+        """Each event type of the batch and its consumers (comma-separated): what a sent
+        event records as the deliveries it owes."""
         return {
-            "ids": sent,
-            "token": token,
-            "route_types": types,
-            "route_consumers": [
-                ",".join(s.consumer for s in self.registry.routes_for(event_type))
-                for event_type in types
-            ],
+            event_type: ",".join(s.consumer for s in self.registry.routes_for(event_type))
+            for event_type in sorted({event.event_type for event in events})
         }
 
     def _expected_deliveries(
         self, events: list[OutboxEvent], sent: set[uuid.UUID]
-    ) -> dict[str, Any] | None:
+    ) -> list[ExpectedDelivery]:
         """Ordered consumers' inbox 'pending' rows for the events of a key on their way.
 
         Recorded for every event the broker accepted, in the transaction that marks them
         sent: no later event of the key can be claimed before that commits.
         """
-        rows = [
-            (subscription.consumer, event.id, event.event_type, event.ordering_key, event.seq)
+        return [
+            ExpectedDelivery(
+                subscription.consumer, event.id, event.event_type, event.ordering_key, event.seq
+            )
             for event in events
             if event.id in sent and event.ordering_key is not None
             for subscription in self.registry.routes_for(event.event_type)
             if subscription.ordered
         ]
-        if not rows:
-            return None
-        consumers, ids, types, keys, seqs = (list(column) for column in zip(*rows, strict=True))
-        return {
-            "consumers": consumers,
-            "event_ids": ids,
-            "event_types": types,
-            "ordering_keys": keys,
-            "seqs": seqs,
-            "statuses": ["pending"] * len(rows),
-        }
 
-    def _retry_params(
-        self, token: int, retry: list[tuple[OutboxEvent, BaseException]]
-    ) -> dict[str, object]:
-        return {
-            "token": token,
-            "ids": [event.id for event, _ in retry],
-            "delays": [
-                full_jitter(
-                    event.attempts,
-                    self.settings.publish_backoff_base,
-                    self.settings.publish_backoff_max,
-                    self.rng,
-                )
-                for event, _ in retry
-            ],
-            "error_classes": [type(error).__name__ for _, error in retry],
-            "errors": [error_text(error) for _, error in retry],
-        }
-
-    def _count_sent(self, rows: list[tuple[Any, ...]], result: BatchResult) -> None:
+    def _count_sent(self, rows: list[SentRow], result: BatchResult) -> None:
         result.sent = len(rows)
         sent_by_type: Counter[str] = Counter()
         lags: dict[str, list[float]] = {}

@@ -23,7 +23,6 @@ The inbox absorbs any copy that was not needed after all. One relay sweeps at a 
 
 from __future__ import annotations
 
-import json
 import logging
 import uuid
 from collections import Counter
@@ -34,7 +33,7 @@ from typing import Any
 import psycopg
 
 from pipeline.config import Settings
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.ledger import LedgerStore
 from pipeline.envelope import OutboxEvent
 from pipeline.observability import metrics
 from pipeline.policy import redelivery_horizon
@@ -77,29 +76,19 @@ class DeliveryLedger:
         self.settings = settings
         self.registry = registry
         self.publisher = publisher
-        self.queries = queries_for(settings.schema_name)
+        self.store = LedgerStore(settings.schema_name)
 
     def sweep(self, conn: psycopg.Connection[Any]) -> SweepResult:
         """One sweep in one transaction; raises if Postgres or the broker fails (nothing lost)."""
         result = SweepResult()
         with conn.transaction():
-            locked = conn.execute(
-                self.queries["ledger_lock"], {"schema_name": self.settings.schema_name}
-            ).fetchone()
-            if not locked or not locked[0]:
+            if not self.store.lock(conn):
                 result.skipped = True
                 return result
-            horizon = redelivery_horizon(self.settings)
-            window = conn.execute(self.queries["ledger_window"], {"horizon": horizon}).fetchone()
-            assert window is not None  # an upsert returns its row
-            swept_to, until = window
+            swept_to, until = self.store.window(conn, redelivery_horizon(self.settings))
             if until > swept_to:
-                since = swept_to - SWEEP_OVERLAP
-                accounted = conn.execute(
-                    self.queries["ledger_account"], {"since": since, "until": until}
-                )
-                result.accounted = accounted.rowcount
-                conn.execute(self.queries["ledger_advance"], {"until": until})
+                result.accounted = self.store.account(conn, swept_to - SWEEP_OVERLAP, until)
+                self.store.advance(conn, until)
             self._redeliver(conn, until, result)
         return result
 
@@ -116,25 +105,22 @@ class DeliveryLedger:
             if waiting is not None:  # enqueued on another clock: leave it a margin
                 waiting -= CLOCK_MARGIN
             cutoffs.append(horizon_cutoff if waiting is None else min(horizon_cutoff, waiting))
-        rows = conn.execute(
-            self.queries["ledger_owed"],
-            {
-                "consumers": names,
-                "cutoffs": cutoffs,
-                "ordered": [subscriptions[name].ordered for name in names],
-                "limit": SWEEP_LIMIT,
-            },
-        ).fetchall()
+        rows = self.store.owed(
+            conn,
+            names,
+            cutoffs,
+            [subscriptions[name].ordered for name in names],
+            SWEEP_LIMIT,
+        )
         if not rows:
             return
         owed: dict[str, list[OutboxEvent]] = {}
         vanished: list[tuple[str, uuid.UUID]] = []
         for row in rows:
-            consumer, event_id = row[0], row[1]
-            if row[2] is None:  # the event row is gone
-                vanished.append((consumer, event_id))
-                continue
-            owed.setdefault(consumer, []).append(_event(event_id, row[2:]))
+            if row.event is None:  # the event row is gone
+                vanished.append((row.consumer, row.event_id))
+            else:
+                owed.setdefault(row.consumer, []).append(row.event)
         if vanished:
             self._record_vanished(conn, vanished, result)
         deliveries: list[Delivery] = []
@@ -153,12 +139,8 @@ class DeliveryLedger:
             for event in delivery.events
         ]
         if sent:
-            conn.execute(
-                self.queries["ledger_redelivered"],
-                {
-                    "consumers": [subscription.consumer for subscription, _ in sent],
-                    "event_ids": [event.id for _, event in sent],
-                },
+            self.store.redelivered(
+                conn, [(subscription.consumer, event.id) for subscription, event in sent]
             )
         self._count(sent, result)
 
@@ -168,13 +150,7 @@ class DeliveryLedger:
         vanished: list[tuple[str, uuid.UUID]],
         result: SweepResult,
     ) -> None:
-        conn.execute(
-            self.queries["ledger_vanished"],
-            {
-                "consumers": [consumer for consumer, _ in vanished],
-                "event_ids": [event_id for _, event_id in vanished],
-            },
-        )
+        self.store.vanished(conn, vanished)
         result.vanished = len(vanished)
         log.error(
             "owed deliveries whose events are no longer in the outbox were dead-lettered",
@@ -194,21 +170,3 @@ class DeliveryLedger:
                     "horizon_seconds": redelivery_horizon(self.settings),
                 },
             )
-
-
-def _event(event_id: uuid.UUID, row: tuple[Any, ...]) -> OutboxEvent:
-    seq, aggregate_type, aggregate_id, ordering_key, event_type, version = row[:6]
-    payload_json, headers_json, attempts, created_at = row[6:10]
-    return OutboxEvent(
-        id=event_id,
-        seq=seq,
-        aggregate_type=aggregate_type,
-        aggregate_id=aggregate_id,
-        ordering_key=ordering_key,
-        event_type=event_type,
-        event_version=version,
-        payload_json=payload_json,
-        headers_json=headers_json or json.dumps({}),
-        attempts=attempts,
-        created_at=created_at,
-    )

@@ -48,7 +48,8 @@ from pipeline.db.connect import (
     schema_missing_message,
 )
 from pipeline.db.migrate import notify_channel
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.outbox import OutboxStore
+from pipeline.db.stores.relays import RelayStore
 from pipeline.errors import ServiceUnavailableError
 from pipeline.observability import metrics
 from pipeline.registry import Registry
@@ -169,7 +170,8 @@ class Relay:
         self.listen = listen
         self.dispatch = dispatch
         self.relay_id = relay_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self.queries = queries_for(settings.schema_name)
+        self.outbox = OutboxStore(settings.schema_name)
+        self.relays = RelayStore(settings.schema_name)
         self.waker = Waker()
         self.stop = threading.Event()
         self.listener: Listener | None = None
@@ -272,7 +274,7 @@ class Relay:
                 continue
             if self.busy:
                 continue  # the rate still calls for polling: poll again
-            if conn.execute(self.queries["has_due_work"]).fetchone() == (True,):
+            if self.outbox.has_due_work(conn):
                 interval = self.settings.poll_interval_min  # due but held back: look again soon
             else:
                 interval = min(interval * 2, self.settings.poll_interval_max)
@@ -297,7 +299,7 @@ class Relay:
     def _cycle(self, drainer: Drainer) -> tuple[int, bool]:
         """Publish what is due; returns (events found, whether a backlog remains)."""
         if self.mode == "workers":
-            due = self._connection().execute(self.queries["has_due_work"]).fetchone() == (True,)
+            due = self.outbox.has_due_work(self._connection())
             if due and self.dispatch is not None:
                 self.dispatch()
             return 0, False
@@ -315,14 +317,12 @@ class Relay:
     def _hand_off(self, conn: psycopg.Connection[Any], drainer: Drainer) -> None:
         """Clear the busy flag, then cover transactions that saw it set (module docstring)."""
         self._set_busy(conn, False)
-        row = conn.execute(self.queries["snapshot_xmax"]).fetchone()
-        xmax = row[0] if row else "0"
+        xmax = self.outbox.snapshot_xmax(conn)
         deadline = time.monotonic() + HANDOFF_LIMIT
         reconnected = False
         try:
             while not self.stop.is_set() and time.monotonic() < deadline:
-                passed = conn.execute(self.queries["horizon_passed"], {"xmax": xmax}).fetchone()
-                if passed == (True,):
+                if self.outbox.horizon_passed(conn, xmax):
                     break
                 drainer.run_batch()
                 # Producers NOTIFY again already: one that does ends this wait at once.
@@ -342,15 +342,7 @@ class Relay:
         now = time.monotonic()
         if not force and busy == self.busy and now - self._last_heartbeat < HEARTBEAT_INTERVAL:
             return
-        conn.execute(
-            self.queries["relay_heartbeat"],
-            {
-                "relay_id": self.relay_id,
-                "busy": busy,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-            },
-        )
+        self.relays.heartbeat(conn, self.relay_id, busy, socket.gethostname(), os.getpid())
         self.busy_spells += busy and not self.busy
         self.busy = busy
         metrics.relay_busy.set(1 if busy else 0)
@@ -359,7 +351,7 @@ class Relay:
     def _forget(self) -> None:
         try:
             with connect(self.settings, autocommit=True) as conn:
-                conn.execute(self.queries["relay_forget"], {"relay_id": self.relay_id})
+                self.relays.forget(conn, self.relay_id)
         except Exception:  # best effort: a stale row expires after 5 s anyway
             log.debug("could not remove relay_state row", exc_info=True)
 

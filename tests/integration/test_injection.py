@@ -30,10 +30,10 @@ from pipeline import (
 )
 from pipeline.db.migrate import functions_sql, notify_channel, upgrade
 from pipeline.db.queries import queries_for
+from pipeline.db.stores.state import StateStore
 from pipeline.registry import Registry
 from pipeline.tools.cli import main as cli_main
 from pipeline.tools.ops.lineage import load_lineage
-from pipeline.tools.ops.state import read_database_state
 from tests.conftest import create_database, drop_database
 
 HOSTILE = {
@@ -165,7 +165,7 @@ def test_a_hostile_schema_name_never_reaches_sql(guarded, settings, value):
         with pytest.raises(ConfigurationError, match=message):
             load_lineage(conn, value, uuid.uuid4())
         with pytest.raises(ConfigurationError, match=message):
-            read_database_state(conn, value, 60.0)
+            StateStore(value).snapshot(conn, 60.0)
     with guarded.begin() as conn:
         with pytest.raises(ConfigurationError, match=message):
             upgrade(conn, value)

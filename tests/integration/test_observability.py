@@ -28,7 +28,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from pipeline import NewEvent, Settings, configure
 from pipeline.envelope import decode_envelope
 from pipeline.observability import metrics, tracing
-from pipeline.tools.ops.state import StateCollector
+from pipeline.relay.state import StateCollector
 from pipeline.transport.publisher import Delivery, PermanentPublishError
 from tests.integration.conftest import drainer_for
 from tests.support import (

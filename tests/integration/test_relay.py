@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, add_event
 from pipeline.backoff import backoff_ceiling, full_jitter
+from pipeline.db.stores.outbox import Settlement
 from pipeline.observability import metrics
 from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
@@ -91,9 +92,8 @@ def test_fencing_token_stops_a_publisher_whose_lease_expired(engine, runtime):
     assert len(events) == 1
     slow.conn.execute("UPDATE pipeline.outbox SET lease_expires_at = now() - interval '1 s'")
     assert fast.run_batch().sent == 1  # the expired lease was reclaimed
-    rows = slow.conn.execute(
-        slow.queries["mark_sent"], slow._mark_sent_params(token, events, [events[0].id])
-    ).fetchall()
+    settlement = Settlement(token, sent=[events[0].id], routes=slow._routes(events))
+    rows = slow.store.settle(slow.conn, settlement)
     assert rows == []  # the stale publisher's write is fenced off
     attempts = slow.conn.execute("SELECT attempts FROM pipeline.outbox").fetchone()
     assert attempts == (2,)
@@ -406,9 +406,8 @@ def test_relay_transactions_commit_asynchronously_without_touching_the_session(e
         assert drainer.conn.execute(show).fetchone() == ("off",)
     assert len(events) == 1
     with drainer.conn.transaction():
-        drainer.conn.execute(
-            drainer.queries["mark_sent"], drainer._mark_sent_params(token, events, [events[0].id])
-        )
+        settlement = Settlement(token, sent=[events[0].id], routes=drainer._routes(events))
+        drainer.store.settle(drainer.conn, settlement)
         assert drainer.conn.execute(show).fetchone() == ("off",)
     assert drainer.conn.execute(show).fetchone() == ("on",)
     assert drainer.run_batch().claimed == 0

@@ -105,8 +105,8 @@ def _relay_metrics(
 
     from pipeline.observability.metrics import start_metrics_server, zero_initialise_consumers
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
-    from pipeline.tools.ops.state import StateCollector
-    from pipeline.tools.ops.table_sizes import TableSizeCollector
+    from pipeline.relay.state import StateCollector
+    from pipeline.relay.table_sizes import TableSizeCollector
 
     def queues() -> list[str]:
         return [*(s.queue for s in runtime.registry.all()), PUBLISH_QUEUE_NAME]

@@ -188,5 +188,5 @@ class DuplicateInjector(LoadThread):
             if key in self._seen:
                 continue
             self._seen.add(key)
-            events.append(OutboxEvent(*row[:11]))
+            events.append(OutboxEvent.from_row(row))
         return events

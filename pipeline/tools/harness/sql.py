@@ -3,44 +3,25 @@
 Each workflow keeps its queries in a ``queries.sql`` of its own package (``-- name: x``
 headers); the queries both need (a schema of the run's own, live relays) are in this
 package's ``queries.sql`` and come with every workflow's. ``{schema}`` is the pipeline's
-schema and ``{app}`` the workflow's business schema, spliced in as quoted identifiers.
+schema and ``{app}`` the workflow's business schema, spliced in as quoted identifiers by
+the engine's named-SQL loader (:mod:`pipeline.db.queries`).
 """
 
 from __future__ import annotations
 
-import re
 from functools import lru_cache
-from importlib import resources
 from typing import ClassVar
 
-from psycopg import sql
-
 from pipeline.config import validate_identifier
+from pipeline.db.queries import load_sql, render_sql
 
-_HEADER = re.compile(r"^-- name: (\w+)\s*$", re.MULTILINE)
 SHARED = "pipeline.tools.harness"
-
-
-@lru_cache(maxsize=8)
-def _raw(package: str) -> dict[str, str]:
-    queries: dict[str, str] = {}
-    for source in dict.fromkeys((SHARED, package)):
-        text = (resources.files(source) / "queries.sql").read_text("utf-8")
-        parts = _HEADER.split(text)
-        for name, body in zip(parts[1::2], parts[2::2], strict=True):
-            if name in queries:
-                raise RuntimeError(f"query {name!r} is defined twice ({source})")
-            queries[name] = body.strip()
-    return queries
 
 
 @lru_cache(maxsize=512)
 def _render(package: str, name: str, schema: str, app: str) -> str:
-    return (
-        sql.SQL(_raw(package)[name])
-        .format(schema=sql.Identifier(schema), app=sql.Identifier(app))
-        .as_string()
-    )
+    sources = [(source, "queries.sql") for source in dict.fromkeys((SHARED, package))]
+    return render_sql(load_sql(*sources)[name], schema=schema, app=app)
 
 
 class WorkflowQueries:

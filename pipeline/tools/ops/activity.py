@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.diagnostics import DiagnosticsStore
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -53,10 +53,9 @@ def read_activity(
     """Each consumer's figures for the last ``interval`` seconds; ``consumers`` are listed
     even when nothing happened to them."""
     found = {name: ConsumerActivity() for name in consumers}
-    rows = conn.execute(queries_for(schema)["consumer_activity"], {"interval": interval})
-    for consumer, kind, count in rows.fetchall():
+    for consumer, kind, count in DiagnosticsStore(schema).activity(conn, interval):
         activity = found.setdefault(consumer, ConsumerActivity())
-        setattr(activity, _KINDS.get(kind, kind), int(count))
+        setattr(activity, _KINDS.get(kind, kind), count)
     for activity in found.values():
         activity.processed_per_second = activity.processed / interval
     return dict(sorted(found.items()))

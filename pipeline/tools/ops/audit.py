@@ -12,13 +12,11 @@ import getpass
 import json
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from typing import Any
 
 import psycopg
 
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.audit import AuditRecord, AuditStore
 
 MAX_LISTED_IDS = 1000
 """Ids listed in one record (its count covers them all): the log stays small."""
@@ -32,26 +30,6 @@ def os_user() -> str:
         return f"uid:{os.getuid()}"
 
 
-@dataclass
-class AuditRecord:
-    id: int
-    at: datetime
-    actor: str
-    action: str
-    parameters: dict[str, Any]
-    affected: int
-
-    def as_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "at": self.at.isoformat(),
-            "actor": self.actor,
-            "action": self.action,
-            "parameters": self.parameters,
-            "affected": self.affected,
-        }
-
-
 def begin_action(
     conn: psycopg.Connection[Any],
     schema: str,
@@ -63,32 +41,24 @@ def begin_action(
     """Record an action before it changes anything (committed at once); returns its id."""
     recorded = {**parameters, "reason": reason}
     with conn.transaction():
-        row = conn.execute(
-            queries_for(schema)["audit_insert"],
-            {
-                "actor": actor or os_user(),
-                "action": action,
-                "parameters": json.dumps(recorded, sort_keys=True, default=str),
-            },
-        ).fetchone()
-    assert row is not None  # INSERT ... RETURNING
-    return int(row[0])
+        return AuditStore(schema).insert(
+            conn,
+            actor or os_user(),
+            action,
+            json.dumps(recorded, sort_keys=True, default=str),
+        )
 
 
 def count_affected(
     conn: psycopg.Connection[Any], schema: str, audit_id: int, dead_letter_ids: Sequence[int]
 ) -> None:
     """Add dead letters to an action's record; call inside the transaction that acts on them."""
-    conn.execute(
-        queries_for(schema)["audit_affected"],
-        {"audit_id": audit_id, "ids": list(dead_letter_ids), "max_listed": MAX_LISTED_IDS},
-    )
+    AuditStore(schema).count_affected(conn, audit_id, dead_letter_ids, MAX_LISTED_IDS)
 
 
 def list_actions(conn: psycopg.Connection[Any], schema: str, limit: int) -> list[AuditRecord]:
     """The latest records first."""
-    rows = conn.execute(queries_for(schema)["audit_list"], {"limit": limit}).fetchall()
-    return [AuditRecord(r[0], r[1], r[2], r[3], json.loads(r[4]), r[5]) for r in rows]
+    return AuditStore(schema).latest(conn, limit)
 
 
 def render_actions(records: Sequence[AuditRecord]) -> list[str]:

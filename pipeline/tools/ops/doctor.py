@@ -54,7 +54,7 @@ from pipeline.db.migrate import (
     available_migrations,
     functions_checksum,
 )
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.diagnostics import DiagnosticsStore
 from pipeline.db.tables import metadata
 from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.errors import ServiceUnavailableError
@@ -65,7 +65,7 @@ from pipeline.policy import (
     retention_problems,
 )
 from pipeline.registry import CANARY_CONSUMER
-from pipeline.tools.ops.state import redis_client
+from pipeline.relay.state import redis_client
 
 Status = Literal["ok", "info", "problem"]
 
@@ -147,9 +147,8 @@ def check_deployment(settings: Settings) -> Report:
 # -- schema ----------------------------------------------------------------------------------
 def _check_schema(conn: psycopg.Connection[Any], schema: str, report: Report) -> bool:
     """Migrations, indexes, triggers; False when the schema is not installed at all."""
-    queries = queries_for(schema)
     try:
-        recorded = dict(conn.execute(queries["doctor_migrations"]).fetchall())
+        recorded = DiagnosticsStore(schema).migrations(conn)
     except psycopg.errors.UndefinedTable:
         report.add(
             "schema",
@@ -192,7 +191,7 @@ def _check_schema(conn: psycopg.Connection[Any], schema: str, report: Report) ->
 
 
 def _check_indexes(conn: psycopg.Connection[Any], schema: str, report: Report) -> None:
-    found = dict(conn.execute(queries_for(schema)["doctor_indexes"], {"schema_name": schema}))
+    found = DiagnosticsStore(schema).indexes(conn)
     declared = declared_indexes(schema)
     missing = [name for name in declared if name not in found]
     invalid = sorted(name for name, valid in found.items() if not valid)
@@ -243,16 +242,9 @@ def declared_functions() -> list[str]:
 
 
 def _check_triggers(conn: psycopg.Connection[Any], schema: str, report: Report) -> None:
-    queries = queries_for(schema)
-    found = {
-        name: (table, enabled)
-        for name, table, enabled in conn.execute(
-            queries["doctor_triggers"], {"schema_name": schema}
-        )
-    }
-    functions = {
-        row[0] for row in conn.execute(queries["doctor_functions"], {"schema_name": schema})
-    }
+    store = DiagnosticsStore(schema)
+    found = store.triggers(conn)
+    functions = store.functions(conn)
     table = _qualified(schema, "schema_migrations")
     reapply = (
         f"remove the functions' checksum row (version {FUNCTIONS_VERSION}) from {table}; then "
@@ -285,7 +277,7 @@ def _qualified(schema: str, name: str) -> str:
 
 # -- database state --------------------------------------------------------------------------
 def _check_dead_letters(conn: psycopg.Connection[Any], schema: str, report: Report) -> None:
-    counts = dict(conn.execute(queries_for(schema)["doctor_dead_letters"]).fetchall())
+    counts = DiagnosticsStore(schema).dead_letters_waiting(conn)
     total = sum(counts.values())
     if total:
         stages = ", ".join(f"{n} at {stage}" for stage, n in sorted(counts.items()))
@@ -310,10 +302,7 @@ def _check_canary(conn: psycopg.Connection[Any], settings: Settings, report: Rep
             "set PIPELINE_CANARY_INTERVAL (default 15) to detect a stalled pipeline",
         )
         return
-    row = conn.execute(
-        queries_for(settings.schema_name)["doctor_canary"], {"consumer": CANARY_CONSUMER}
-    ).fetchone()
-    age = row[0] if row else None
+    age = DiagnosticsStore(settings.schema_name).last_processed_age(conn, CANARY_CONSUMER)
     allowed = max(CANARY_MISSED * interval, CANARY_MIN_AGE)
     fix = (
         "check that a relay and a worker are running (`pipeline status`), and that the "
@@ -335,12 +324,10 @@ def _check_canary(conn: psycopg.Connection[Any], settings: Settings, report: Rep
 def _check_server(
     conn: psycopg.Connection[Any], settings: Settings, report: Report, clock: Callable[[], float]
 ) -> None:
-    queries = queries_for(settings.schema_name)
+    store = DiagnosticsStore(settings.schema_name)
     before = clock()
-    row = conn.execute(queries["doctor_server"]).fetchone()
+    database_time, queue_usage, server_pid = store.server(conn)
     after = clock()
-    assert row is not None
-    database_time, queue_usage, server_pid = row
     skew = database_time - (before + after) / 2
     if abs(skew) > CLOCK_SKEW_LIMIT + (after - before) / 2:
         report.add(

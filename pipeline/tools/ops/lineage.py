@@ -9,6 +9,7 @@ trace id ties it to the distributed trace when one is exported.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
@@ -17,7 +18,7 @@ import psycopg
 
 from pipeline.config import Settings
 from pipeline.db.connect import connect
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.lineage import InboxRow, LineageStore
 from pipeline.driver_errors import wrap_driver_errors
 from pipeline.errors import NotFoundError
 from pipeline.policy import redelivery_horizon
@@ -114,42 +115,33 @@ def load_lineage(
     one yet ('delivered': no outcome so far); either is ``owed`` once it has had no
     outcome for longer than the redelivery ``horizon`` (seconds).
     """
-    queries = queries_for(schema)
-    params = {"event_id": event_id}
-    row = conn.execute(queries["lineage_event"], params).fetchone()
+    store = LineageStore(schema)
+    row = store.event(conn, event_id)
     if row is None:
         raise NotFoundError(f"no event {event_id} in schema {schema!r}")
-    aggregate = f"{row[4]}:{row[5]}" if row[5] is not None else None
+    aggregate = f"{row.aggregate_type}:{row.aggregate_id}" if row.aggregate_id is not None else None
     lineage = Lineage(
-        id=row[0],
-        seq=row[1],
-        event_type=row[2],
-        event_version=row[3],
+        id=row.id,
+        seq=row.seq,
+        event_type=row.event_type,
+        event_version=row.event_version,
         aggregate=aggregate,
-        ordering_key=row[6],
-        status=row[7],
-        publish_attempts=row[8],
-        created_at=row[9],
-        published_at=row[10],
-        trace_id=_trace_id(row[13]),
-        correlation_id=row[14],
-        causation_id=row[15],
+        ordering_key=row.ordering_key,
+        status=row.status,
+        publish_attempts=row.attempts,
+        created_at=row.created_at,
+        published_at=row.published_at,
+        trace_id=_trace_id(row.traceparent),
+        correlation_id=row.correlation_id,
+        causation_id=row.causation_id,
     )
-    lineage.failed_attempts = [
-        Attempt(*r) for r in conn.execute(queries["lineage_attempts"], params).fetchall()
-    ]
+    lineage.failed_attempts = [Attempt(*r) for r in store.attempts(conn, event_id)]
     lineage.deliveries = _deliveries(
-        conn.execute(queries["lineage_inbox"], params).fetchall(),
-        row[16] or [],
-        row[10],
-        row[17],
-        horizon,
+        store.inbox(conn, event_id), row.consumers or [], row.published_at, row.now, horizon
     )
-    lineage.dead_letters = [
-        DeadLetter(*r) for r in conn.execute(queries["lineage_dead_letters"], params).fetchall()
-    ]
+    lineage.dead_letters = [DeadLetter(*r) for r in store.dead_letters(conn, event_id)]
     if depth < MAX_DEPTH:
-        for (child,) in conn.execute(queries["lineage_children"], params).fetchall():
+        for child in store.children(conn, event_id):
             lineage.follow_ups.append(load_lineage(conn, schema, child, depth + 1, horizon))
     return lineage
 
@@ -163,7 +155,7 @@ def trace_event(settings: Settings, event_id: uuid.UUID) -> Lineage:
 
 
 def _deliveries(
-    rows: list[tuple[Any, ...]],
+    rows: Sequence[InboxRow],
     consumers: list[str],
     published_at: datetime | None,
     now: datetime,

@@ -17,8 +17,8 @@ import psycopg
 
 from pipeline.config import Settings
 from pipeline.db.connect import connect
-from pipeline.db.queries import queries_for
 from pipeline.db.retention import Pruner, PruneResult, RetentionPolicy
+from pipeline.db.stores.audit import AuditStore
 from pipeline.errors import MigrationError, PipelineError
 from pipeline.policy import ConsumerPolicy, require_retention
 from pipeline.tools.ops.audit import os_user
@@ -50,13 +50,8 @@ def run_prune(
                 "try again when it has finished"
             )
         if not dry_run:
-            conn.execute(
-                queries_for(settings.schema_name)["prune_audit"],
-                {
-                    "actor": os_user(),
-                    "parameters": json.dumps(_parameters(policy)),
-                    "affected": result.deleted,
-                },
+            AuditStore(settings.schema_name).record_prune(
+                conn, os_user(), json.dumps(_parameters(policy)), result.deleted
             )
     return result
 

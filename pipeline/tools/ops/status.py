@@ -15,18 +15,12 @@ from typing import Any
 
 from pipeline.config import Settings
 from pipeline.db.connect import connect
+from pipeline.db.stores.relays import RelayInfo, RelayStore
+from pipeline.db.stores.state import StateStore
 from pipeline.driver_errors import wrap_driver_errors
 from pipeline.policy import redelivery_horizon
+from pipeline.relay.state import QueueDepth, discover_queues, read_queue_depths, redis_client
 from pipeline.tools.ops.activity import ConsumerActivity, format_activity, read_activity
-from pipeline.tools.ops.state import (
-    QueueDepth,
-    RelayInfo,
-    discover_queues,
-    read_database_state,
-    read_queue_depths,
-    read_relays,
-    redis_client,
-)
 
 
 @dataclass
@@ -73,8 +67,8 @@ def read_status(
     """
     with wrap_driver_errors(settings), connect(settings, autocommit=True) as conn:
         conn.execute("SET statement_timeout = '10s'")
-        database = read_database_state(conn, settings.schema_name, redelivery_horizon(settings))
-        relays = read_relays(conn, settings.schema_name)
+        database = StateStore(settings.schema_name).snapshot(conn, redelivery_horizon(settings))
+        relays = RelayStore(settings.schema_name).relays(conn)
         activity = read_activity(conn, settings.schema_name, interval, consumers or ())
     depths: dict[str, QueueDepth] | None = None
     if settings.redis_url is not None:

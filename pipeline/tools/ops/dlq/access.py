@@ -15,9 +15,10 @@ import psycopg
 from pipeline.config import Settings
 from pipeline.db.connect import connect
 from pipeline.db.privileges import dlq_grants, require_privileges
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.audit import AuditRecord
+from pipeline.db.stores.dead_letters import DeadLetterStore
 from pipeline.errors import NotFoundError
-from pipeline.tools.ops.audit import AuditRecord, list_actions
+from pipeline.tools.ops.audit import list_actions
 from pipeline.tools.ops.dlq.filters import DeadLetterFilter
 from pipeline.tools.ops.dlq.records import (
     DeadLetter,
@@ -36,8 +37,7 @@ def require_known_ids(conn: psycopg.Connection[Any], schema: str, ids: Sequence[
     """Unknown dead-letter ids are an error (a typo must not quietly match nothing)."""
     if not ids:
         return
-    rows = conn.execute(queries_for(schema)["dlq_known_ids"], {"ids": list(ids)}).fetchall()
-    unknown = sorted(set(ids) - {int(row[0]) for row in rows})
+    unknown = sorted(set(ids) - DeadLetterStore(schema).known_ids(conn, ids))
     if unknown:
         named = ", ".join(f"#{i}" for i in unknown)
         raise NotFoundError(f"no dead letter {named} in schema {schema!r}")

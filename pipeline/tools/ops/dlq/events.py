@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.dead_letters import DeadLetterStore
 from pipeline.envelope import OutboxEvent
 from pipeline.tools.ops.dlq.records import DeadLetter
 
@@ -36,13 +36,12 @@ def load_events(
     wanted = letter.event_ids
     if not wanted:
         return []
-    queries = queries_for(schema)
-    rows = conn.execute(queries["dlq_events"], {"event_ids": wanted}).fetchall()
-    found = {row[0]: OutboxEvent(*row) for row in rows}
+    store = DeadLetterStore(schema)
+    found = {event.id: event for event in store.events(conn, wanted)}
     missing = [event_id for event_id in wanted if event_id not in found]
     if missing:
-        stored = conn.execute(queries["dlq_envelope"], {"id": letter.id}).fetchone()
-        for envelope in _envelopes(json.loads(stored[0]) if stored and stored[0] else None):
+        stored = store.envelope(conn, letter.id)
+        for envelope in _envelopes(json.loads(stored) if stored else None):
             event = event_from_envelope(envelope)
             if event is not None and event.id in missing:
                 found[event.id] = event

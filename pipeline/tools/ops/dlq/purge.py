@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 
 from pipeline.config import Settings
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.dead_letters import DeadLetterStore
 from pipeline.tools.ops.audit import begin_action, count_affected
 from pipeline.tools.ops.dlq.access import open_connection, require_grants, require_known_ids
 from pipeline.tools.ops.dlq.filters import DeadLetterFilter
@@ -75,14 +75,11 @@ def purge(
 
     An id deleted meanwhile by someone else is simply not counted.
     """
-    queries = queries_for(schema)
+    store = DeadLetterStore(schema)
     deleted: list[int] = []
     for start in range(0, len(ids), BATCH):
         with conn.transaction():
-            rows = conn.execute(
-                queries["dlq_delete"], {"ids": list(ids[start : start + BATCH])}
-            ).fetchall()
-            batch = sorted(int(row[0]) for row in rows)
+            batch = store.delete(conn, ids[start : start + BATCH])
             if batch:
                 count_affected(conn, schema, audit_id, batch)
         deleted += batch

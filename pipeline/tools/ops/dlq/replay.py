@@ -25,7 +25,7 @@ from typing import Any, Literal
 import psycopg
 
 from pipeline.db.migrate import notify_channel
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.dead_letters import DeadLetterStore
 from pipeline.envelope import OutboxEvent
 from pipeline.errors import ConfigurationError, ServiceUnavailableError
 from pipeline.registry import Registry, Subscription, actor_name_for
@@ -211,7 +211,7 @@ class Replayer:
     ) -> None:
         self.conn = conn
         self.schema = schema
-        self.queries = queries_for(schema)
+        self.store = DeadLetterStore(schema)
         self.publisher = publisher
         self.audit_id = audit_id
         self.bucket = bucket or TokenBucket(None)
@@ -243,12 +243,11 @@ class Replayer:
         letter = step.letter
         failure: StepResult | None = None
         with self.conn.transaction():
-            locked = self.conn.execute(self.queries["dlq_lock"], {"id": letter.id}).fetchone()
-            if locked is None:
+            if not self.store.lock(self.conn, letter.id):
                 return StepResult(step, "skipped", "replayed or purged meanwhile")
             result = self._requeue(step) if step.kind == "requeue" else self._deliver(step)
             if result.outcome == "replayed":
-                self.conn.execute(self.queries["dlq_mark_replayed"], {"id": letter.id})
+                self.store.mark_replayed(self.conn, letter.id)
                 count_affected(self.conn, self.schema, self.audit_id, [letter.id])
                 return result
             failure = result
@@ -257,13 +256,12 @@ class Replayer:
         return failure
 
     def _requeue(self, step: ReplayStep) -> StepResult:
-        row = self.conn.execute(
-            self.queries["dlq_requeue_outbox"], {"event_id": step.letter.event_id}
-        ).fetchone()
-        if row is None:
+        assert step.letter.event_id is not None  # planned "requeue": a publish-stage event
+        requeued = self.store.requeue_outbox(self.conn, step.letter.event_id)
+        if requeued is None:
             return StepResult(step, "skipped", "the event is no longer dead: nothing to replay")
-        self.conn.execute(self.queries["dlq_wake_relay"], {"channel": notify_channel(self.schema)})
-        return StepResult(step, "replayed", step.detail, [row[0]])
+        self.store.wake_relay(self.conn, notify_channel(self.schema))
+        return StepResult(step, "replayed", step.detail, [requeued])
 
     def _deliver(self, step: ReplayStep) -> StepResult:
         letter, subscription = step.letter, step.subscription
@@ -285,14 +283,4 @@ class Replayer:
         return StepResult(step, "replayed", step.detail, [event.id for event in events])
 
     def _requeue_inbox(self, consumer: str, events: Sequence[OutboxEvent]) -> set[uuid.UUID]:
-        rows = self.conn.execute(
-            self.queries["dlq_requeue_inbox"],
-            {
-                "consumer": consumer,
-                "event_ids": [e.id for e in events],
-                "event_types": [e.event_type for e in events],
-                "ordering_keys": [e.ordering_key for e in events],
-                "seqs": [e.seq for e in events],
-            },
-        ).fetchall()
-        return {row[0] for row in rows}
+        return self.store.requeue_inbox(self.conn, consumer, events)

@@ -1,7 +1,7 @@
 """The pipeline's state as Postgres and Redis hold it: backlog, dead letters, queue depths.
 
-One snapshot is one cheap SQL statement (``state_snapshot`` in queries.sql) plus one
-pipelined Redis round trip. :class:`StateCollector` serves it as Prometheus gauges,
+One snapshot is two cheap SQL statements (:class:`pipeline.db.stores.state.StateStore`)
+plus one pipelined Redis round trip. :class:`StateCollector` serves it as Prometheus gauges,
 refreshed at most every ``PIPELINE_STATE_METRICS_INTERVAL`` seconds however often it
 is scraped; ``pipeline status`` reads it once. The state is the same whichever
 process reads it, so one collector per deployment is enough: ``pipeline relay``
@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -27,14 +27,12 @@ from prometheus_client.registry import Collector
 
 from pipeline.config import Settings
 from pipeline.db.connect import connect
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.state import DatabaseState, StateStore
 from pipeline.errors import MigrationError, ServiceUnavailableError
 from pipeline.policy import redelivery_horizon
 
 log = logging.getLogger("pipeline.state")
 
-BACKLOG_STATUSES = ("pending", "publishing")
-STAGES = ("publish", "consume")
 DELAY_SUFFIX = ".DQ"
 DEAD_SUFFIX = ".XQ"
 
@@ -46,60 +44,6 @@ class QueueDepth:
     ready: int = 0
     delayed: int = 0
     dead: int = 0
-
-
-@dataclass
-class RelayInfo:
-    relay_id: str
-    host: str
-    pid: int
-    busy: bool
-    heartbeat_age_seconds: float
-
-
-@dataclass
-class DatabaseState:
-    backlog: dict[str, int] = field(default_factory=lambda: dict.fromkeys(BACKLOG_STATUSES, 0))
-    oldest_pending_age_seconds: float = 0.0
-    dead_letters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STAGES, 0))
-    owed: dict[str, int] = field(default_factory=dict)
-    """Per consumer: deliveries with no outcome past the redelivery horizon."""
-    keys_held: dict[str, int] = field(default_factory=dict)
-    """Per consumer: ordering keys whose later events wait behind such a delivery."""
-
-
-def read_database_state(
-    conn: psycopg.Connection[Any], schema: str, horizon: float
-) -> DatabaseState:
-    """The ``state_snapshot`` and ``ledger_state`` queries' answers.
-
-    Raises :class:`MigrationError` when the schema is missing.
-    """
-    state = DatabaseState()
-    queries = queries_for(schema)
-    try:
-        rows = conn.execute(queries["state_snapshot"]).fetchall()
-        ledger = conn.execute(queries["ledger_state"], {"horizon": horizon}).fetchall()
-    except psycopg.errors.UndefinedTable:
-        raise MigrationError(
-            f"the pipeline schema {schema!r} is not installed: run `pipeline db upgrade`"
-        ) from None
-    for kind, label, value in rows:
-        if kind == "backlog":
-            state.backlog[label] = int(value)
-        elif kind == "oldest_pending_age":
-            state.oldest_pending_age_seconds = max(0.0, float(value))
-        elif kind == "dead_letters":
-            state.dead_letters[label] = int(value)
-    for consumer, owed, keys in ledger:
-        state.owed[consumer] = int(owed)
-        state.keys_held[consumer] = int(keys)
-    return state
-
-
-def read_relays(conn: psycopg.Connection[Any], schema: str) -> list[RelayInfo]:
-    rows = conn.execute(queries_for(schema)["relay_states"]).fetchall()
-    return [RelayInfo(r[0], r[1], int(r[2]), bool(r[3]), max(0.0, float(r[4]))) for r in rows]
 
 
 def read_queue_depths(
@@ -160,6 +104,7 @@ class StateCollector(Collector):
         consumers: Callable[[], Iterable[str]] = tuple,
     ) -> None:
         self.settings = settings
+        self.store = StateStore(settings.schema_name)
         self.queues = queues
         self.consumers = consumers
         self.interval = settings.state_metrics_interval if interval is None else interval
@@ -212,9 +157,7 @@ class StateCollector(Collector):
             if self._conn is None or self._conn.closed:
                 self._conn = connect(self.settings, autocommit=True)
                 self._conn.execute("SET statement_timeout = '5s'")
-            return read_database_state(
-                self._conn, self.settings.schema_name, redelivery_horizon(self.settings)
-            )
+            return self.store.snapshot(self._conn, redelivery_horizon(self.settings))
         except (psycopg.Error, ServiceUnavailableError, MigrationError) as exc:
             log.warning("state metrics: Postgres unreadable", extra={"error_class": _name(exc)})
             self._close_database()

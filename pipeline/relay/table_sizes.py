@@ -19,8 +19,8 @@ from prometheus_client.registry import Collector
 
 from pipeline.config import Settings
 from pipeline.db.connect import connect
-from pipeline.db.queries import queries_for
 from pipeline.db.retention import TABLES
+from pipeline.db.stores.state import StateStore, TableSize
 from pipeline.errors import ServiceUnavailableError
 
 log = logging.getLogger("pipeline.state")
@@ -31,11 +31,12 @@ class TableSizeCollector(Collector):
 
     def __init__(self, settings: Settings, interval: float | None = None) -> None:
         self.settings = settings
+        self.store = StateStore(settings.schema_name)
         self.interval = settings.state_metrics_interval if interval is None else interval
         self._lock = threading.Lock()
         self._conn: psycopg.Connection[Any] | None = None
         self._read_at: float | None = None
-        self._sizes: list[tuple[str, float, float]] | None = None
+        self._sizes: list[TableSize] | None = None
 
     def describe(self) -> Iterable[GaugeMetricFamily]:
         return list(self._families(None))
@@ -52,22 +53,18 @@ class TableSizeCollector(Collector):
         with self._lock:
             self._close()
 
-    def _read(self) -> list[tuple[str, float, float]] | None:
+    def _read(self) -> list[TableSize] | None:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = connect(self.settings, autocommit=True)
                 self._conn.execute("SET statement_timeout = '5s'")
-            rows = self._conn.execute(
-                queries_for(self.settings.schema_name)["table_sizes"],
-                {"schema_name": self.settings.schema_name, "tables": list(TABLES)},
-            ).fetchall()
+            return self.store.table_sizes(self._conn, TABLES)
         except (psycopg.Error, ServiceUnavailableError) as exc:
             log.warning(
                 "table size metrics: Postgres unreadable", extra={"error_class": _name(exc)}
             )
             self._close()
             return None
-        return [(str(name), float(rows_), float(size)) for name, rows_, size in rows]
 
     def _close(self) -> None:
         if self._conn is not None:
@@ -77,7 +74,7 @@ class TableSizeCollector(Collector):
                 self._conn = None
 
     @staticmethod
-    def _families(sizes: list[tuple[str, float, float]] | None) -> Iterator[GaugeMetricFamily]:
+    def _families(sizes: list[TableSize] | None) -> Iterator[GaugeMetricFamily]:
         rows = GaugeMetricFamily(
             "pipeline_table_rows_estimate",
             "Rows in a pipeline table, as the planner estimates them (pg_class.reltuples).",

@@ -1,0 +1,150 @@
+"""A consumer's inbox: claims, failed attempts, and dead letters at consume.
+
+Runs on the SQLAlchemy connection of the session the handler writes through, so the
+inbox record, the handler's writes and its follow-up events commit together (DESIGN
+I3). The queries are pre-rendered strings for ``exec_driver_sql``: the hot path skips
+SQLAlchemy's compiler.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from pipeline.db.queries import queries_for
+from pipeline.envelope import ReceivedEvent
+
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
+
+@dataclass(frozen=True)
+class ConsumeDeadLetter:
+    """A ``dead_letters`` row of the consume stage (``envelope`` as JSON text)."""
+
+    event_id: uuid.UUID | None
+    consumer: str | None
+    event_type: str | None
+    queue: str
+    reason: str
+    error_class: str
+    error: str
+    attempts: int
+    envelope: str | None = None
+    raw_message: str | None = None
+
+
+class InboxStore:
+    """The inbox's queries for one schema."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        self._queries = queries_for(schema)
+        self._claim = self._queries.text("inbox_claim")
+        self._claim_many = self._queries.text("inbox_claim_many")
+
+    @staticmethod
+    def _key(consumer: str, event: ReceivedEvent) -> dict[str, Any]:
+        return {
+            "consumer": consumer,
+            "event_id": event.id,
+            "event_type": event.type,
+            "ordering_key": event.ordering_key,
+            "seq": event.seq,
+        }
+
+    def claim(self, connection: Connection, consumer: str, event: ReceivedEvent) -> int | None:
+        """Claim (consumer, event): the attempt number, or None when already done."""
+        row = connection.exec_driver_sql(self._claim, self._key(consumer, event)).first()
+        return None if row is None else int(row[0])
+
+    def claim_many(
+        self, connection: Connection, consumer: str, events: Sequence[ReceivedEvent]
+    ) -> dict[uuid.UUID, int]:
+        """Claim every event in one statement: attempt numbers of those not yet done."""
+        if len(events) == 1:  # scalar parameters: binding one-element arrays costs more
+            (event,) = events
+            attempt = self.claim(connection, consumer, event)
+            return {} if attempt is None else {event.id: attempt}
+        rows = connection.exec_driver_sql(
+            self._claim_many,
+            {
+                "consumer": consumer,
+                "event_ids": [event.id for event in events],
+                "event_types": [event.type for event in events],
+                "ordering_keys": [event.ordering_key for event in events],
+                "seqs": [event.seq for event in events],
+            },
+        ).all()
+        return {row[0]: int(row[1]) for row in rows}
+
+    def log_duplicates(
+        self, connection: Connection, consumer: str, event_ids: Sequence[uuid.UUID]
+    ) -> None:
+        """Record deliveries acknowledged without running the handler (``delivery_log``)."""
+        connection.exec_driver_sql(
+            self._queries.text("inbox_log_duplicates"),
+            {"consumer": consumer, "event_ids": list(event_ids)},
+        )
+
+    def predecessor_unfinished(
+        self, connection: Connection, consumer: str, event: ReceivedEvent
+    ) -> bool:
+        """Whether an earlier event of the key reached this consumer and is not yet done."""
+        row = connection.exec_driver_sql(
+            self._queries.text("inbox_predecessor_unfinished"),
+            {"consumer": consumer, "ordering_key": event.ordering_key, "seq": event.seq},
+        ).first()
+        return bool(row and row[0])
+
+    def fail(
+        self,
+        connection: Connection,
+        consumer: str,
+        event: ReceivedEvent,
+        *,
+        error: str,
+        error_class: str,
+        dead: bool,
+        retry_in: float,
+    ) -> bool:
+        """Record a failed attempt (the claim's number); False when a concurrent copy has
+        finished the event meanwhile (this delivery is then a duplicate)."""
+        params = {
+            **self._key(consumer, event),
+            "error": error,
+            "error_class": error_class,
+            "status": "dead" if dead else "failed",
+            "retry_in": retry_in,
+        }
+        return (
+            connection.exec_driver_sql(self._queries.text("inbox_fail"), params).first() is not None
+        )
+
+    def dead_letter(self, connection: Connection, letter: ConsumeDeadLetter) -> None:
+        connection.exec_driver_sql(
+            self._queries.text("inbox_dead_letter"),
+            {
+                "event_id": letter.event_id,
+                "consumer": letter.consumer,
+                "event_type": letter.event_type,
+                "queue": letter.queue,
+                "reason": letter.reason,
+                "error_class": letter.error_class,
+                "error": letter.error,
+                "attempts": letter.attempts,
+                "envelope": letter.envelope,
+                "raw_message": letter.raw_message,
+            },
+        )
+
+    def give_up(
+        self, connection: Connection, consumer: str, event_ids: Sequence[uuid.UUID], error: str
+    ) -> None:
+        """Mark these events dead for ``consumer`` (later events of their keys stop waiting)."""
+        connection.exec_driver_sql(
+            self._queries.text("inbox_give_up"),
+            {"consumer": consumer, "event_ids": list(event_ids), "error": error},
+        )

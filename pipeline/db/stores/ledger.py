@@ -1,0 +1,101 @@
+"""The delivery ledger: which (event, consumer) deliveries are owed past the horizon.
+
+Used by the relay's sweep (:mod:`pipeline.relay.ledger`), inside one transaction it
+holds; see ``ledger.sql`` for the statements.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, NamedTuple
+
+import psycopg
+
+from pipeline.db.queries import queries_for
+from pipeline.envelope import OutboxEvent
+
+
+class OwedDelivery(NamedTuple):
+    """A delivery owed to ``consumer``; ``event`` is None when its outbox row is gone."""
+
+    consumer: str
+    event_id: uuid.UUID
+    event: OutboxEvent | None
+
+
+class LedgerStore:
+    """The ledger's queries for one schema."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        self._queries = queries_for(schema)
+
+    def lock(self, conn: psycopg.Connection[Any]) -> bool:
+        """Take the sweep's transaction-scoped lock; False when another relay holds it."""
+        row = conn.execute(self._queries["ledger_lock"], {"schema_name": self.schema}).fetchone()
+        return bool(row and row[0])
+
+    def window(self, conn: psycopg.Connection[Any], horizon: float) -> tuple[datetime, datetime]:
+        """Where the last sweep's accounting ended, and where this one's ends (now - horizon)."""
+        row = conn.execute(self._queries["ledger_window"], {"horizon": horizon}).fetchone()
+        assert row is not None  # an upsert returns its row
+        return row[0], row[1]
+
+    def account(self, conn: psycopg.Connection[Any], since: datetime, until: datetime) -> int:
+        """Record as owed the deliveries of events sent in [since, until) with no inbox row;
+        returns how many."""
+        cursor = conn.execute(self._queries["ledger_account"], {"since": since, "until": until})
+        return cursor.rowcount
+
+    def advance(self, conn: psycopg.Connection[Any], until: datetime) -> None:
+        conn.execute(self._queries["ledger_advance"], {"until": until})
+
+    def owed(
+        self,
+        conn: psycopg.Connection[Any],
+        consumers: Sequence[str],
+        cutoffs: Sequence[datetime],
+        ordered: Sequence[bool],
+        limit: int,
+    ) -> list[OwedDelivery]:
+        """Unfinished deliveries older than each consumer's cutoff, oldest first, locked
+        (rows a worker holds are skipped)."""
+        rows = conn.execute(
+            self._queries["ledger_owed"],
+            {
+                "consumers": list(consumers),
+                "cutoffs": list(cutoffs),
+                "ordered": list(ordered),
+                "limit": limit,
+            },
+        ).fetchall()
+        return [
+            OwedDelivery(row[0], row[1], None if row[2] is None else OutboxEvent.from_row(row[1:]))
+            for row in rows
+        ]
+
+    def redelivered(
+        self, conn: psycopg.Connection[Any], deliveries: Sequence[tuple[str, uuid.UUID]]
+    ) -> None:
+        """Date these (consumer, event id) deliveries now and count them as redeliveries."""
+        conn.execute(
+            self._queries["ledger_redelivered"],
+            {
+                "consumers": [consumer for consumer, _ in deliveries],
+                "event_ids": [event_id for _, event_id in deliveries],
+            },
+        )
+
+    def vanished(
+        self, conn: psycopg.Connection[Any], deliveries: Sequence[tuple[str, uuid.UUID]]
+    ) -> None:
+        """Dead-letter owed deliveries whose events are no longer in the outbox."""
+        conn.execute(
+            self._queries["ledger_vanished"],
+            {
+                "consumers": [consumer for consumer, _ in deliveries],
+                "event_ids": [event_id for _, event_id in deliveries],
+            },
+        )

@@ -1,0 +1,92 @@
+"""One event's record across the tables, for ``pipeline trace``: its outbox row, failed
+attempts, each consumer's inbox record, dead letters and follow-up events."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any, NamedTuple
+
+import psycopg
+
+from pipeline.db.queries import queries_for
+
+
+class EventRow(NamedTuple):
+    id: uuid.UUID
+    seq: int
+    event_type: str
+    event_version: int
+    aggregate_type: str | None
+    aggregate_id: str | None
+    ordering_key: str | None
+    status: str
+    attempts: int
+    created_at: datetime
+    published_at: datetime | None
+    last_error_class: str | None
+    last_error: str | None
+    traceparent: str | None
+    correlation_id: str | None
+    causation_id: str | None
+    consumers: list[str] | None  # whom it was sent to
+    now: datetime  # the database's clock when read
+
+
+class AttemptRow(NamedTuple):
+    stage: str
+    consumer: str | None
+    attempt: int
+    error_class: str
+    error: str
+    at: datetime
+
+
+class InboxRow(NamedTuple):
+    consumer: str
+    status: str
+    attempts: int
+    received_at: datetime | None
+    processed_at: datetime | None
+    last_error_class: str | None
+    delivered_at: datetime | None
+    redeliveries: int
+
+
+class DeadLetterRow(NamedTuple):
+    id: int
+    stage: str
+    consumer: str | None
+    reason: str
+    error_class: str
+    at: datetime
+
+
+class LineageStore:
+    """The lineage reads for one schema."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        self._queries = queries_for(schema)
+
+    def _rows(self, conn: psycopg.Connection[Any], name: str, event_id: uuid.UUID) -> list[Any]:
+        return conn.execute(self._queries[name], {"event_id": event_id}).fetchall()
+
+    def event(self, conn: psycopg.Connection[Any], event_id: uuid.UUID) -> EventRow | None:
+        rows = self._rows(conn, "lineage_event", event_id)
+        return EventRow(*rows[0]) if rows else None
+
+    def attempts(self, conn: psycopg.Connection[Any], event_id: uuid.UUID) -> list[AttemptRow]:
+        return [AttemptRow(*r) for r in self._rows(conn, "lineage_attempts", event_id)]
+
+    def inbox(self, conn: psycopg.Connection[Any], event_id: uuid.UUID) -> list[InboxRow]:
+        return [InboxRow(*r) for r in self._rows(conn, "lineage_inbox", event_id)]
+
+    def dead_letters(
+        self, conn: psycopg.Connection[Any], event_id: uuid.UUID
+    ) -> list[DeadLetterRow]:
+        return [DeadLetterRow(*r) for r in self._rows(conn, "lineage_dead_letters", event_id)]
+
+    def children(self, conn: psycopg.Connection[Any], event_id: uuid.UUID) -> list[uuid.UUID]:
+        """The events it caused (``causation_id``), in sequence order."""
+        return [r[0] for r in self._rows(conn, "lineage_children", event_id)]
