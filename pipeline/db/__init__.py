@@ -1,1 +1,2 @@
-"""Database layer: declared tables, versioned migrations and named SQL queries."""
+"""Database layer: declared tables, versioned migrations, named SQL and the typed stores
+that run it (:mod:`pipeline.db.stores`)."""

@@ -153,7 +153,7 @@ class OutboxStore:
                 for name, params in statements:
                     cursors[name] = conn.execute(self._queries[name], params, binary=True)
         marked = cursors.get("mark_sent")
-        return [] if marked is None else list(marked.fetchall())
+        return [] if marked is None else marked.fetchall()
 
     @staticmethod
     def _statements(s: Settlement) -> list[tuple[str, dict[str, Any]]]:
