@@ -26,7 +26,7 @@ def test_a_hostile_identifier_never_reaches_the_sql():
 
 def test_a_name_defined_twice_is_refused():
     with pytest.raises(RuntimeError, match="defined twice"):
-        load_sql("pipeline.db", ("queries.sql", "queries.sql"))
+        load_sql(("pipeline.db", "queries.sql"), ("pipeline.db", "queries.sql"))
 
 
 def test_engine_and_tools_queries_load_through_the_one_loader():
