@@ -64,8 +64,9 @@ from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.relay.relay import Relay, Waker
 from pipeline.runtime import event_source
-from pipeline.transport.broker import make_broker
-from pipeline.transport.publisher import Delivery, DramatiqRedisPublisher
+from pipeline.transport.publisher import Delivery
+from pipeline.transport.redis.broker import make_broker
+from pipeline.transport.redis.publisher import DramatiqRedisPublisher
 
 BENCH_DIR = Path(__file__).resolve().parent
 BATCH_SIZES = (1, 100, 1000)
