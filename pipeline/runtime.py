@@ -28,13 +28,16 @@ class Runtime:
     settings: Settings
     registry: Registry
     transport: Transport
-    broker: Any
-    """The transport's Dramatiq broker: the actors are declared on it."""
     publisher: Publisher
     publish_actor: dramatiq.Actor[Any, Any]
     dispatcher: PublishingDispatcher
     engine: ProcessEngine
     inbox_actors: dict[str, dramatiq.Actor[Any, Any]]
+
+    @property
+    def broker(self) -> Any:
+        """The transport's Dramatiq broker: the actors are declared on it."""
+        return self.transport.broker
 
     def close(self) -> None:
         self.transport.close()
@@ -73,7 +76,6 @@ def build_runtime(
         settings=settings,
         registry=consumers,
         transport=transport,
-        broker=transport.broker,
         publisher=publisher,
         publish_actor=actor,
         dispatcher=PublishingDispatcher(settings, transport, actor),
