@@ -64,8 +64,10 @@ from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.relay.relay import Relay, Waker
 from pipeline.runtime import event_source
-from pipeline.transport.broker import make_broker
-from pipeline.transport.publisher import Delivery, DramatiqRedisPublisher
+from pipeline.transport.publisher import Delivery
+from pipeline.transport.redis import keys
+from pipeline.transport.redis.broker import make_broker
+from pipeline.transport.redis.publisher import DramatiqRedisPublisher
 
 BENCH_DIR = Path(__file__).resolve().parent
 BATCH_SIZES = (1, 100, 1000)
@@ -216,11 +218,11 @@ def verify_queues(ctx: Context, expected: int) -> dict[str, Any]:
     ns = ctx.settings.redis_namespace
     report: dict[str, Any] = {}
     for name in CONSUMERS:
-        key = f"{ns}:{registry_for().get(name).queue}"
-        ids = ctx.client.lrange(key, 0, -1)
+        queue = registry_for().get(name).queue
+        ids = ctx.client.lrange(keys.queue_key(ns, queue), 0, -1)
         event_ids: list[bytes] = []
         for start in range(0, len(ids), 1000):
-            for body in ctx.client.hmget(f"{key}.msgs", ids[start : start + 1000]):
+            for body in ctx.client.hmget(keys.messages_key(ns, queue), ids[start : start + 1000]):
                 if body is not None:
                     event_ids += ENVELOPE_ID.findall(body)
         unique = len(set(event_ids))
@@ -597,8 +599,9 @@ class QueueObserver(threading.Thread):
         super().__init__(name="queue-observer", daemon=True)
         ns = settings.redis_namespace
         self.client = redis.Redis.from_url(settings.require_redis_url())
-        self.wake_key = f"{ns}:pipeline-wake:{queue}"
-        self.queue_key = f"{ns}:{queue}"
+        self.wake_key = keys.wake_key(ns, queue)
+        self.queue_key = keys.queue_key(ns, queue)
+        self.messages_key = keys.messages_key(ns, queue)
         self.seen: dict[str, float] = {}
         self.halt = threading.Event()
 
@@ -609,8 +612,8 @@ class QueueObserver(threading.Thread):
             if not ids:
                 continue
             now = time.perf_counter()
-            bodies = self.client.hmget(f"{self.queue_key}.msgs", ids)
-            self.client.hdel(f"{self.queue_key}.msgs", *ids)
+            bodies = self.client.hmget(self.messages_key, ids)
+            self.client.hdel(self.messages_key, *ids)
             for body in bodies:
                 for event_id in ENVELOPE_ID.findall(body or b""):
                     self.seen.setdefault(event_id.decode(), now)

@@ -1,4 +1,4 @@
-"""Wiring for a relay or worker process: settings -> broker, publisher, actors.
+"""Wiring for a relay or worker process: settings -> transport, publisher, actors.
 
 Both process kinds build the same runtime from the same settings and application
 modules, so the relay's routing and the workers' actors always agree.
@@ -18,23 +18,29 @@ from pipeline.inbox.actors import ProcessEngine, declare_inbox_actors
 from pipeline.inbox.canary import register_canary
 from pipeline.registry import Registry, registry
 from pipeline.relay.actors import PublishingDispatcher, declare_publishing_actor
-from pipeline.transport.broker import PipelineRedisBroker, make_broker
-from pipeline.transport.publisher import DramatiqRedisPublisher
+from pipeline.transport.base import Transport
+from pipeline.transport.factory import open_transport
+from pipeline.transport.publisher import Publisher
 
 
 @dataclass
 class Runtime:
     settings: Settings
     registry: Registry
-    broker: PipelineRedisBroker
-    publisher: DramatiqRedisPublisher
+    transport: Transport
+    publisher: Publisher
     publish_actor: dramatiq.Actor[Any, Any]
     dispatcher: PublishingDispatcher
     engine: ProcessEngine
     inbox_actors: dict[str, dramatiq.Actor[Any, Any]]
 
+    @property
+    def broker(self) -> Any:
+        """The transport's Dramatiq broker: the actors are declared on it."""
+        return self.transport.broker
+
     def close(self) -> None:
-        self.broker.close()
+        self.transport.close()
         self.engine.dispose()
 
 
@@ -59,20 +65,20 @@ def build_runtime(
 ) -> Runtime:
     import_app_modules(settings.app_module_names())
     register_canary(consumers)
-    broker = make_broker(settings)
+    transport = open_transport(settings)
     if set_global_broker:
-        dramatiq.set_broker(broker)
-    publisher = DramatiqRedisPublisher(broker, event_source(settings))
-    actor = declare_publishing_actor(broker, settings, consumers, publisher)
+        dramatiq.set_broker(transport.broker)
+    publisher = transport.publisher(event_source(settings))
+    actor = declare_publishing_actor(transport, settings, consumers, publisher)
     engine = ProcessEngine(settings)
-    inbox_actors = declare_inbox_actors(broker, settings, consumers, engine)
+    inbox_actors = declare_inbox_actors(transport, settings, consumers, engine)
     return Runtime(
         settings=settings,
         registry=consumers,
-        broker=broker,
+        transport=transport,
         publisher=publisher,
         publish_actor=actor,
-        dispatcher=PublishingDispatcher(settings, broker, actor),
+        dispatcher=PublishingDispatcher(settings, transport, actor),
         engine=engine,
         inbox_actors=inbox_actors,
     )

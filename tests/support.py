@@ -24,6 +24,7 @@ from pipeline import NewEvent, Settings, add_events
 from pipeline.registry import Registry
 from pipeline.relay.relay import Relay
 from pipeline.runtime import Runtime
+from pipeline.transport.redis.keys import messages_key, queue_key
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,11 +45,10 @@ def queue_messages(settings: Settings, queue: str) -> list[dict[str, Any]]:
     """The Dramatiq messages waiting on ``queue``, in queue order, decoded."""
     client = redis.Redis.from_url(settings.require_redis_url())
     try:
-        key = f"{settings.redis_namespace}:{queue}"
-        ids = client.lrange(key, 0, -1)
+        ids = client.lrange(queue_key(settings.redis_namespace, queue), 0, -1)
         if not ids:
             return []
-        bodies = client.hmget(f"{key}.msgs", ids)
+        bodies = client.hmget(messages_key(settings.redis_namespace, queue), ids)
         return [json.loads(body) for body in bodies if body is not None]
     finally:
         client.close()

@@ -31,6 +31,8 @@ from pipeline.inbox.processor import InboxProcessor, envelope_id, record_unreada
 from pipeline.observability import metrics
 from pipeline.policy import require_retention
 from pipeline.registry import Registry, actor_name_for
+from pipeline.transport.base import Transport
+from pipeline.transport.messages import current_exception
 
 log = logging.getLogger("pipeline.inbox")
 INFRASTRUCTURE_RETRIES = 1000  # at up to a minute apart: most of a day before giving up
@@ -99,7 +101,7 @@ class DeadLetterUnknownActors(Middleware):
 
     def before_nack(self, broker: Any, message: Any) -> None:
         """Every message Dramatiq rejects passes here: unknown actors and exhausted retries."""
-        exception = getattr(message, "_exception", None)
+        exception = current_exception(message)
         if not isinstance(exception, ActorNotFound) and not message.actor_name.startswith(
             ACTOR_PREFIX
         ):
@@ -131,14 +133,15 @@ class DeadLetterUnknownActors(Middleware):
 
 
 def declare_inbox_actors(
-    broker: Any, settings: Settings, consumers: Registry, engine: ProcessEngine
+    transport: Transport, settings: Settings, consumers: Registry, engine: ProcessEngine
 ) -> dict[str, dramatiq.Actor[Any, Any]]:
     """Bind an inbox actor for every consumer with a handler in this process."""
     require_retention(settings, consumers.policies(settings))  # before anything is declared
+    broker = transport.broker
     broker.add_middleware(DeadLetterUnknownActors(settings, engine))
     broker.add_middleware(CountInfrastructureRetries())
-    broker.undecodable_sink = lambda queue, data, reason: record_unreadable(
-        settings, engine(), queue, reason, raw=data
+    transport.on_undecodable(
+        lambda queue, data, reason: record_unreadable(settings, engine(), queue, reason, raw=data)
     )
     actors: dict[str, dramatiq.Actor[Any, Any]] = {}
     for subscription, definition in definitions(consumers):

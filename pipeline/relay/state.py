@@ -17,7 +17,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
@@ -30,54 +29,10 @@ from pipeline.db.connect import connect
 from pipeline.db.stores.state import DatabaseState, StateStore
 from pipeline.errors import MigrationError, ServiceUnavailableError
 from pipeline.policy import redelivery_horizon
+from pipeline.transport.base import QueueDepth, Transport, delay_queue_name
+from pipeline.transport.factory import open_transport
 
 log = logging.getLogger("pipeline.state")
-
-DELAY_SUFFIX = ".DQ"
-DEAD_SUFFIX = ".XQ"
-
-
-@dataclass
-class QueueDepth:
-    """Dramatiq messages (each a run of events) waiting, delayed, and dead on one queue."""
-
-    ready: int = 0
-    delayed: int = 0
-    dead: int = 0
-
-
-def read_queue_depths(
-    client: redis.Redis, namespace: str, queues: Iterable[str]
-) -> dict[str, QueueDepth]:
-    """Depths of Dramatiq's Redis queues: the list, its ``.DQ`` delay list, its ``.XQ`` set."""
-    names = sorted(set(queues))
-    if not names:
-        return {}
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.llen(f"{namespace}:{name}")
-        pipe.llen(f"{namespace}:{name}{DELAY_SUFFIX}")
-        pipe.zcard(f"{namespace}:{name}{DEAD_SUFFIX}")
-    results = pipe.execute()
-    return {
-        name: QueueDepth(int(results[3 * i]), int(results[3 * i + 1]), int(results[3 * i + 2]))
-        for i, name in enumerate(names)
-    }
-
-
-def discover_queues(client: redis.Redis, namespace: str, limit: int = 10_000) -> set[str]:
-    """Queues that hold messages now (their ``.msgs`` hashes), for operator commands."""
-    found: set[str] = set()
-    prefix = f"{namespace}:"
-    for index, key in enumerate(client.scan_iter(match=f"{prefix}*.msgs", count=1000)):
-        if index >= limit:
-            break
-        name = (key.decode() if isinstance(key, bytes) else str(key))[len(prefix) : -len(".msgs")]
-        for suffix in (DELAY_SUFFIX, DEAD_SUFFIX):
-            name = name.removesuffix(suffix)
-        if name and not name.startswith("__"):
-            found.add(name)
-    return found
 
 
 def redis_client(settings: Settings, timeout: float = 5.0) -> redis.Redis:
@@ -113,7 +68,7 @@ class StateCollector(Collector):
         self._lock = threading.Lock()
         self._refreshed_at: float | None = None
         self._conn: psycopg.Connection[Any] | None = None
-        self._redis: redis.Redis | None = None
+        self._transport: Transport | None = None
         self._database: DatabaseState | None = None
         self._queues: dict[str, QueueDepth] | None = None
         self._duration = 0.0
@@ -134,9 +89,9 @@ class StateCollector(Collector):
     def close(self) -> None:
         with self._lock:
             self._close_database()
-            if self._redis is not None:
-                self._redis.close()
-                self._redis = None
+            if self._transport is not None:
+                self._transport.close()
+                self._transport = None
 
     # -- refresh -------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -165,11 +120,12 @@ class StateCollector(Collector):
 
     def _read_queues(self) -> dict[str, QueueDepth] | None:
         try:
-            if self._redis is None:
-                self._redis = redis_client(self.settings, timeout=2.0)
-            return read_queue_depths(self._redis, self.settings.redis_namespace, self.queues())
-        except redis.RedisError as exc:
-            log.warning("state metrics: Redis unreadable", extra={"error_class": _name(exc)})
+            if self._transport is None:
+                self._transport = open_transport(self.settings, middleware=[], timeout=2.0)
+            return self._transport.queue_depths(self.queues())
+        except ServiceUnavailableError as exc:
+            cause = exc.__cause__ or exc
+            log.warning("state metrics: Redis unreadable", extra={"error_class": _name(cause)})
             return None
 
     def _close_database(self) -> None:
@@ -213,7 +169,7 @@ class StateCollector(Collector):
         )
         dlq = GaugeMetricFamily(
             "pipeline_dead_letter_queue_depth",
-            "Messages in Dramatiq's dead-letter set of a queue (<namespace>:<queue>.XQ).",
+            "Messages in Dramatiq's dead-letter set of a queue.",
             labels=["queue"],
         )
         owed = GaugeMetricFamily(
@@ -243,7 +199,7 @@ class StateCollector(Collector):
         if queues is not None:
             for name, value in queues.items():
                 depth.add_metric([name], value.ready)
-                depth.add_metric([name + DELAY_SUFFIX], value.delayed)
+                depth.add_metric([delay_queue_name(name)], value.delayed)
                 dlq.add_metric([name], value.dead)
         yield from (up, duration, backlog, oldest, dead, depth, dlq, owed, held)
 

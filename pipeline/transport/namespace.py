@@ -1,20 +1,11 @@
-"""Delete every Redis key under a namespace: what the demo, the drill and tests clean up."""
+"""Delete everything a pipeline keeps in its broker: what the demo, the drill and tests clean up."""
 
 from __future__ import annotations
 
-import redis
+from pipeline.transport.factory import transport_class
 
 
-def delete_namespace(redis_url: str, namespace: str) -> None:
-    """Delete the keys named ``<namespace>:*``, in chunks of 500.
-
-    Scans rather than ``KEYS``, so a shared Redis is not blocked, and touches nothing
-    outside the namespace: the queues, wake-up lists and acks of one pipeline only.
-    """
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
-        for start in range(0, len(keys), 500):
-            client.delete(*keys[start : start + 500])
-    finally:
-        client.close()
+def delete_namespace(url: str, namespace: str) -> None:
+    """Delete the queues, wake-up lists and bookkeeping under ``namespace`` at ``url``
+    (nothing outside it: a shared server keeps other pipelines' data)."""
+    transport_class(url).delete_namespace(url, namespace)

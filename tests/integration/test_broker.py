@@ -11,7 +11,9 @@ import pytest
 import redis
 from dramatiq.message import Message
 
-from pipeline.transport.broker import PipelineRedisBroker, acks_key, make_broker, wake_key
+from pipeline.transport.redis.broker import PipelineRedisBroker, make_broker
+from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
+from pipeline.transport.redis.keys import acks_key, messages_key, queue_key, wake_key
 
 QUEUE = "wake_test"
 
@@ -204,7 +206,7 @@ def test_a_wake_up_that_cannot_be_pushed_does_not_fail_the_enqueue(broker, caplo
     finally:
         broker.client.pipeline = original
     assert message.args == (1,)
-    assert broker.client.llen(f"{broker.namespace}:{QUEUE}") == 1  # queued all the same
+    assert broker.client.llen(queue_key(broker.namespace, QUEUE)) == 1  # queued all the same
     assert "could not push a wake-up" in caplog.text
 
 
@@ -221,7 +223,7 @@ def test_messages_a_stopping_consumer_puts_back_wake_the_others(broker):
 
 def test_a_fetched_message_is_in_the_acks_set_the_broker_computes_until_acked(broker):
     message = broker.enqueue(Message(QUEUE, "actor", (), {}, {}))
-    redis_id = message.options["redis_message_id"]
+    redis_id = message.options[REDIS_MESSAGE_ID]
     consumer = broker.consume(QUEUE, prefetch=1, timeout=100)
     fetched = next_message(consumer)
     assert fetched.message_id == message.message_id
@@ -229,5 +231,5 @@ def test_a_fetched_message_is_in_the_acks_set_the_broker_computes_until_acked(br
     assert broker.client.smembers(key) == {redis_id.encode()}
     consumer.ack(fetched)
     assert broker.client.smembers(key) == set()
-    assert broker.client.hlen(f"{broker.namespace}:{QUEUE}.msgs") == 0
+    assert broker.client.hlen(messages_key(broker.namespace, QUEUE)) == 0
     consumer.close()

@@ -24,6 +24,8 @@ from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
 from pipeline.tools.harness.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
+from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
+from pipeline.transport.redis.keys import messages_key, queue_key
 from tests.support import (
     multiprocess_metric,
     produce,
@@ -287,28 +289,29 @@ def test_ordered_consumer_processes_each_key_in_sequence(engine, inbox_settings,
 def test_garbage_and_unknown_consumer_messages_are_dead_lettered(engine, inbox_settings, tmp_path):
     client = redis.Redis.from_url(inbox_settings.require_redis_url())
     ns, queue = inbox_settings.redis_namespace, "pipeline.ledger"
-    client.hset(f"{ns}:{queue}.msgs", "garbage-1", b"\xff\xfenot json at all")
-    client.rpush(f"{ns}:{queue}", "garbage-1")
+    bodies, ids = messages_key(ns, queue), queue_key(ns, queue)
+    client.hset(bodies, "garbage-1", b"\xff\xfenot json at all")
+    client.rpush(ids, "garbage-1")
     ghost = {
         "queue_name": queue,
         "actor_name": "pipeline_inbox_ghost",
         "args": [[]],
         "kwargs": {},
-        "options": {"redis_message_id": "ghost-1"},
+        "options": {REDIS_MESSAGE_ID: "ghost-1"},
         "message_id": str(uuid.uuid4()),
         "message_timestamp": int(time.time() * 1000),
     }
-    client.hset(f"{ns}:{queue}.msgs", "ghost-1", json.dumps(ghost))
-    client.rpush(f"{ns}:{queue}", "ghost-1")
+    client.hset(bodies, "ghost-1", json.dumps(ghost))
+    client.rpush(ids, "ghost-1")
     bad_args = dict(
         ghost,
         actor_name="pipeline_inbox_ledger",
         args=[{"not": "a list"}],
-        options={"redis_message_id": "bad-1"},
+        options={REDIS_MESSAGE_ID: "bad-1"},
         message_id=str(uuid.uuid4()),
     )
-    client.hset(f"{ns}:{queue}.msgs", "bad-1", json.dumps(bad_args))
-    client.rpush(f"{ns}:{queue}", "bad-1")
+    client.hset(bodies, "bad-1", json.dumps(bad_args))
+    client.rpush(ids, "bad-1")
     worker = start_worker(inbox_settings, APP, tmp_path / "worker.log", 1, 2)
     try:
         wait_until(lambda: scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 3, 30)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import redis
 
 from pipeline import NewEvent, Settings
+from pipeline.transport.redis.keys import acks_key, queue_key
 from tests.integration.test_inbox import inbox_settings, publish_repeated, scalar
 from tests.support import produce, start_worker, stop_process, wait_until
 
@@ -22,7 +23,7 @@ APP = "tests.apps.inbox_app"
 def acks_sets(client: redis.Redis, namespace: str, queue: str) -> dict[bytes, set[bytes]]:
     return {
         key: client.smembers(key)
-        for key in client.scan_iter(match=f"{namespace}:__acks__.*.{queue}", count=1000)
+        for key in client.scan_iter(match=acks_key(namespace, "*", queue), count=1000)
     }
 
 
@@ -31,7 +32,7 @@ def test_a_bare_value_on_a_queue_is_dead_lettered_with_its_raw_value(
 ):
     client = redis.Redis.from_url(inbox_settings.require_redis_url())
     namespace, queue = inbox_settings.redis_namespace, "pipeline.ledger"
-    client.lpush(f"{namespace}:{queue}", "garbage")
+    client.lpush(queue_key(namespace, queue), "garbage")
     log = tmp_path / "worker.log"
     worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
     try:

@@ -1,22 +1,63 @@
-"""What transport/broker.py assumes of Dramatiq's internals, checked against the installed copy.
+"""What pipeline/transport/ assumes of Dramatiq's internals, checked against the installed copy.
 
-The broker calls Dramatiq's ``dispatch`` Lua script itself (``push_dispatch``), subclasses
-the private ``_RedisConsumer`` and computes the un-acked set's key (``acks_key``). A
-Dramatiq release that moves an argument, renames a key or an attribute fails here, before
-it can misroute a message; Dramatiq is pinned to the minor series these tests passed on.
+The Redis broker calls Dramatiq's ``dispatch`` Lua script itself (``push_dispatch``),
+subclasses the private ``_RedisConsumer``, spells Dramatiq's key layout (``keys.py``) and
+writes message JSON by hand (``encoding.py``); the inbox reads the private ``_exception``
+of a message through ``messages.py``. A Dramatiq release that moves an argument, renames
+a key, a field or an attribute fails here, before it can misroute a message; and a private
+name used in ``pipeline/transport/`` without a test here fails
+``test_every_private_name_the_transport_uses_is_pinned_here``. Dramatiq is pinned to the
+minor series these tests passed on.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import importlib.metadata
 import importlib.resources
+import inspect
+import json
 import re
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
-from dramatiq.brokers.redis import _RedisConsumer
+import dramatiq
+import dramatiq.worker
+import pytest
+from dramatiq.broker import MessageProxy
+from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
+from dramatiq.common import dq_name, xq_name
+from dramatiq.errors import ActorNotFound
+from dramatiq.message import Message
 
+import pipeline.transport
 from pipeline.config import Settings
-from pipeline.transport.broker import PipelineRedisBroker, acks_key, make_broker
+from pipeline.envelope import OutboxEvent, encode_envelope
+from pipeline.registry import Registry
+from pipeline.transport.messages import current_exception
+from pipeline.transport.publisher import Delivery
+from pipeline.transport.redis.broker import PipelineRedisBroker, WakeableRedisConsumer, make_broker
+from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
+from pipeline.transport.redis.keys import (
+    acks_key,
+    dead_set_key,
+    delay_queue_key,
+    messages_key,
+    queue_key,
+    queue_of_messages_key,
+)
+from pipeline.transport.redis.publisher import DramatiqRedisPublisher
+
+# The names private to Dramatiq that pipeline/transport/ uses, each pinned by a test below.
+DRAMATIQ_PRIVATE_NAMES = {
+    "_RedisConsumer": "test_the_private_consumer_still_has_what_the_subclass_uses",
+    "_should_do_maintenance": "test_the_private_consumer_still_has_what_the_subclass_uses",
+    "_max_unpack_size": "test_the_private_consumer_still_has_what_the_subclass_uses",
+    "_exception": "test_the_exception_that_failed_a_message_is_where_current_exception_reads",
+}
 
 SCRIPT = (importlib.resources.files("dramatiq.brokers") / "redis" / "dispatch.lua").read_text()
 # The script's fixed arguments, in the order push_dispatch passes them.
@@ -92,21 +133,199 @@ def test_the_commands_take_the_arguments_the_broker_passes():
     statement(r'command == "ack" then\n\s+local message_id = ARGS\[1\]')
 
 
-def test_the_acks_key_layout_is_the_one_acks_key_computes():
+def test_the_key_layout_is_the_one_keys_computes():
     statement(r'^local acks = namespace \.\. ":__acks__\." \.\. worker_id$')
     statement(r'^local queue_acks = acks \.\. "\." \.\. queue_name$')
     statement(r'^local queue_messages = queue_full_name \.\. "\.msgs"$')
     statement(r'^local queue_full_name = namespace \.\. ":" \.\. queue_name$')
     statement(r'redis\.call\("sadd", queue_acks, message_id\)')  # fetch records it there
+    # Delayed messages are a queue of their own (<queue>.DQ); rejected ones, of both the
+    # queue and its delay queue, a sorted set with a hash named after the queue.
+    statement(r'^if string\.sub\(queue_name, -3\) == "\.DQ" then$')
+    statement(r"^    queue_canonical_name = string\.sub\(queue_name, 1, -4\)$")
+    statement(
+        r'^local xqueue_full_name = namespace \.\. ":" \.\. queue_canonical_name \.\. "\.XQ"$'
+    )
+    statement(r'^local xqueue_messages = xqueue_full_name \.\. "\.msgs"$')
+    statement(r'redis\.call\("zadd", xqueue_full_name, timestamp, message_id\)')
     assert acks_key("ns", "worker-1", "payments") == "ns:__acks__.worker-1.payments"
+    assert queue_key("ns", "payments") == "ns:payments"
+    assert messages_key("ns", "payments") == "ns:payments.msgs"
+    assert delay_queue_key("ns", "payments") == f"ns:{dq_name('payments')}" == "ns:payments.DQ"
+    assert dead_set_key("ns", "payments") == f"ns:{xq_name('payments')}" == "ns:payments.XQ"
+    for key in ("ns:payments.msgs", "ns:payments.DQ.msgs", "ns:payments.XQ.msgs"):
+        assert queue_of_messages_key("ns", key) == "payments"
+    assert queue_of_messages_key("ns", "ns:__heartbeats__.msgs") is None
+    assert queue_of_messages_key("ns", "other:payments.msgs") is None
+
+
+class RecordingRedisBroker(RedisBroker):  # type: ignore[misc]
+    """Dramatiq's own Redis broker, offline, recording what its enqueue hands the script."""
+
+    def __init__(self) -> None:
+        super().__init__(url="redis://127.0.0.1:1/0", namespace="ns", middleware=[])
+        self.enqueued: list[tuple[str, str, bytes]] = []
+
+    def do_enqueue(self, queue_name: str, redis_id: str, body: bytes) -> None:
+        self.enqueued.append((queue_name, redis_id, body))
+
+
+def test_dramatiqs_own_enqueue_writes_what_the_publisher_writes():
+    """Queue, Redis id and body, in the order push_dispatch passes them to ``enqueue``;
+    the id in the option the consumer acks by; delayed messages on dq_name's queue."""
+    broker = RecordingRedisBroker()
+    broker.declare_queue("payments")
+    assert broker.get_declared_delay_queues() == {"payments.DQ"}
+    sent = broker.enqueue(Message("payments", "actor", ([{"a": 1}],), {}, {}))
+    delayed = broker.enqueue(Message("payments", "actor", (), {}, {}), delay=1000)
+    (queue, redis_id, body), (delay_queue, _, _) = broker.enqueued
+    assert queue == "payments" and delay_queue == "payments.DQ" == dq_name("payments")
+    assert sent.options == {REDIS_MESSAGE_ID: redis_id}
+    assert json.loads(body)["options"] == {REDIS_MESSAGE_ID: redis_id}
+    assert delayed.queue_name == "payments.DQ"
+    assert f'message.options["{REDIS_MESSAGE_ID}"]' in inspect.getsource(_RedisConsumer.ack)
+
+
+def outbox_event(payload_json: str, seq: int = 1) -> OutboxEvent:
+    return OutboxEvent(
+        id=uuid.uuid4(),
+        seq=seq,
+        aggregate_type="order",
+        aggregate_id="o-1",
+        ordering_key="order:o-1",
+        event_type="order.placed",
+        event_version=1,
+        payload_json=payload_json,
+        headers_json=json.dumps({"correlation_id": "c-1"}),
+        attempts=0,
+        created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+    )
+
+
+@pytest.mark.parametrize(
+    "payloads, byte_identical",
+    [
+        (['{"total":42}', '{"items":["a","b"]}'], True),  # compact ASCII: Dramatiq's own bytes
+        (['{"total": 42, "name": "é"}'], False),  # as Postgres prints jsonb: same message
+    ],
+)
+def test_the_message_json_the_publisher_writes_is_dramatiqs_encoding(payloads, byte_identical):
+    publisher = DramatiqRedisPublisher(offline_broker(), "/pipeline/test")
+    subscription = Registry().subscribe("payments", ["order.placed"])
+    events = [outbox_event(payload, seq) for seq, payload in enumerate(payloads, 1)]
+    redis_id, body = publisher.encode(Delivery(subscription, events))
+
+    assert list(json.loads(body)) == [field.name for field in dataclasses.fields(Message)]
+    decoded = Message.decode(body.encode())
+    meant = Message(
+        queue_name=subscription.queue,
+        actor_name=subscription.actor_name,
+        args=([json.loads(encode_envelope(event, "/pipeline/test")) for event in events],),
+        kwargs={},
+        options={REDIS_MESSAGE_ID: redis_id},
+        message_id=decoded.message_id,
+        message_timestamp=decoded.message_timestamp,
+    )
+    assert decoded == meant
+    assert [envelope["data"] for envelope in decoded.args[0]] == [json.loads(p) for p in payloads]
+    assert str(uuid.UUID(decoded.message_id)) == decoded.message_id != redis_id
+    now_ms = datetime.now(UTC).timestamp() * 1000
+    assert now_ms - 60_000 < decoded.message_timestamp <= now_ms
+    assert Message.decode(decoded.encode()) == decoded  # round-trips through Dramatiq
+    assert (meant.encode() == body.encode()) is byte_identical
 
 
 def test_the_private_consumer_still_has_what_the_subclass_uses():
+    assert issubclass(WakeableRedisConsumer, _RedisConsumer)
+    assert issubclass(_RedisConsumer, dramatiq.Consumer)
+    assert list(inspect.signature(_RedisConsumer).parameters) == [
+        "broker",
+        "queue_name",
+        "prefetch",
+        "timeout",
+    ]
     consumer = _RedisConsumer(offline_broker(), "payments", 4, 100)
-    for name in ("message_cache", "queued_message_ids", "misses", "prefetch", "timeout"):
-        assert hasattr(consumer, name), name
+    assert (consumer.queue_name, consumer.prefetch, consumer.timeout) == ("payments", 4, 100)
+    assert consumer.message_cache == [] and consumer.queued_message_ids == set()
+    assert consumer.misses == 0
     assert consumer.outstanding_message_count == 0
+    consumer.message_cache = [b"x"]
+    consumer.queued_message_ids.add("m")
+    assert consumer.outstanding_message_count == 2  # both count against the prefetch
+    assert list(inspect.signature(_RedisConsumer.requeue).parameters) == ["self", "messages"]
     broker = offline_broker()
-    for name in ("_should_do_maintenance", "_max_unpack_size", "broker_id", "namespace"):
+    for name in ("broker_id", "namespace", "heartbeat_timeout", "dead_message_ttl", "client"):
         assert hasattr(broker, name), name
+    assert list(inspect.signature(RedisBroker._should_do_maintenance).parameters) == [
+        "self",
+        "command",
+    ]
     assert broker._should_do_maintenance("enqueue") in (0, 1)
+    assert list(inspect.signature(RedisBroker._max_unpack_size).parameters) == ["self"]
+    assert "consumer_class" in vars(RedisBroker)  # the property the broker overrides
+
+
+def test_the_subclasses_override_no_private_method_by_accident():
+    """A Dramatiq release adding a private method of the same name would be shadowed."""
+    for ours, theirs in (
+        (WakeableRedisConsumer, _RedisConsumer),
+        (PipelineRedisBroker, RedisBroker),
+    ):
+        for name in vars(ours):
+            if name.startswith("_") and not name.startswith("__"):
+                assert not hasattr(theirs, name), f"{ours.__name__}.{name} shadows Dramatiq's"
+
+
+def test_the_exception_that_failed_a_message_is_where_current_exception_reads():
+    message = MessageProxy(Message("payments", "actor", (), {}, {}))
+    assert current_exception(message) is None
+    failure = ActorNotFound("ghost")
+    message.stuff_exception(failure)
+    assert message._exception is failure and current_exception(message) is failure
+    message.clear_exception()
+    assert current_exception(message) is None
+    # The worker stuffs it before the message reaches before_nack: for an unknown actor
+    # in the consumer thread, for an actor that raised in the worker thread.
+    unknown = inspect.getsource(dramatiq.worker._ConsumerThread.handle_message)
+    assert re.search(
+        r"except ActorNotFound as e:(.|\n)*stuff_exception\(e\)(.|\n)*"
+        r"self\.post_process_message\(message\)",
+        unknown,
+    )
+    raised = inspect.getsource(dramatiq.worker._WorkerThread.process_message)
+    assert re.search(r"except BaseException as e:\n\s+message\.stuff_exception\(e\)", raised)
+    assert raised.index("stuff_exception(e)") < raised.index("post_process_message(message)")
+
+
+def private_names(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """(names used, names defined) that start with one underscore, in a module's tree."""
+    used: set[str] = set()
+    defined: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (defined if isinstance(node.ctx, ast.Store) else used).add(node.id)
+        elif isinstance(node, ast.Attribute):
+            (defined if isinstance(node.ctx, ast.Store) else used).add(node.attr)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            defined.add(node.name)
+        elif isinstance(node, ast.alias):
+            used.add(node.name)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            used.add(node.value)  # getattr(x, "_name")
+
+    def private(names: set[str]) -> set[str]:
+        return {n for n in names if re.fullmatch(r"_[A-Za-z]\w*", n) and not n.endswith("__")}
+
+    return private(used), private(defined)
+
+
+def test_every_private_name_the_transport_uses_is_pinned_here():
+    used: set[str] = set()
+    defined: set[str] = set()
+    for path in Path(pipeline.transport.__file__).parent.rglob("*.py"):
+        module_used, module_defined = private_names(ast.parse(path.read_text()))
+        used |= module_used
+        defined |= module_defined
+    assert used - defined == set(DRAMATIQ_PRIVATE_NAMES)
+    tests = {name for name, value in globals().items() if name.startswith("test_")}
+    assert set(DRAMATIQ_PRIVATE_NAMES.values()) <= tests

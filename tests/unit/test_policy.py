@@ -154,13 +154,13 @@ def test_every_caller_refuses_a_short_inbox_retention_in_the_same_words(caller):
 
 def test_the_worker_refuses_before_declaring_any_consumer():
     from pipeline.inbox.actors import ProcessEngine, declare_inbox_actors
-    from pipeline.transport.broker import make_broker
+    from pipeline.transport.factory import open_transport
 
     bad = settings(**BAD)
-    broker = make_broker(bad, middleware=[])
+    transport = open_transport(bad, middleware=[])
     with pytest.raises(ConfigurationError):
-        declare_inbox_actors(broker, bad, slow_registry(), ProcessEngine(bad))
-    assert broker.get_declared_actors() == set()
+        declare_inbox_actors(transport, bad, slow_registry(), ProcessEngine(bad))
+    assert transport.broker.get_declared_actors() == set()
 
 
 def test_the_same_callers_start_once_the_retention_covers_the_horizon():

@@ -61,7 +61,8 @@ def worker(
         validate_queue_name(queue)
     runtime = build_runtime(settings)  # import errors and bad settings: one line, here
     try:
-        _check_queues(queues, runtime.broker.get_declared_queues())
+        broker = runtime.broker
+        _check_queues(queues, broker.get_declared_queues(), broker.get_declared_delay_queues())
     finally:
         runtime.close()
     argv = [
@@ -97,8 +98,10 @@ def worker(
     ctx.exit(run_dramatiq_with_metrics(argv, env, settings, port))
 
 
-def _check_queues(wanted: tuple[str, ...], declared: set[str]) -> None:
-    known = declared | {f"{name}.DQ" for name in declared}
+def _check_queues(wanted: tuple[str, ...], declared: set[str], delayed: set[str]) -> None:
+    """Every queue in ``wanted`` is one of the worker's queues, or a queue of their delayed
+    messages (which Dramatiq's worker consumes under its own name)."""
+    known = declared | delayed
     unknown = [name for name in wanted if name not in known]
     if unknown:
         raise click.BadParameter(

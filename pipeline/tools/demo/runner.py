@@ -201,12 +201,11 @@ class _Demo:
         import pipeline.tools.demo.app  # noqa: F401 - registers the demo's routes in this process
         from pipeline.registry import registry
         from pipeline.runtime import event_source
-        from pipeline.transport.broker import make_broker
-        from pipeline.transport.publisher import DramatiqRedisPublisher
+        from pipeline.transport.factory import open_transport
 
-        broker = make_broker(settings, middleware=[])
-        self.cleanup.push("close the Redis connection", broker.close)
-        publisher = DramatiqRedisPublisher(broker, event_source(settings))
+        transport = open_transport(settings, middleware=[])
+        self.cleanup.push("close the Redis connection", transport.close)
+        publisher = transport.publisher(event_source(settings))
         injector = DuplicateInjector(
             settings,
             engine,

@@ -19,8 +19,9 @@ from pipeline.db.stores.relays import RelayInfo, RelayStore
 from pipeline.db.stores.state import StateStore
 from pipeline.driver_errors import wrap_driver_errors
 from pipeline.policy import redelivery_horizon
-from pipeline.relay.state import QueueDepth, discover_queues, read_queue_depths, redis_client
 from pipeline.tools.ops.activity import ConsumerActivity, format_activity, read_activity
+from pipeline.transport.base import QueueDepth
+from pipeline.transport.factory import open_transport
 
 
 @dataclass
@@ -72,13 +73,12 @@ def read_status(
         activity = read_activity(conn, settings.schema_name, interval, consumers or ())
     depths: dict[str, QueueDepth] | None = None
     if settings.redis_url is not None:
-        client = redis_client(settings)
+        transport = open_transport(settings, middleware=[], timeout=5.0)
         try:
-            with wrap_driver_errors(settings):
-                known = set(queues) | discover_queues(client, settings.redis_namespace)
-                depths = read_queue_depths(client, settings.redis_namespace, known)
+            known = set(queues) | transport.queues_holding_messages()
+            depths = transport.queue_depths(known)
         finally:
-            client.close()
+            transport.close()
     problems: list[str] = []
     dead_total = sum(database.dead_letters.values())
     if dead_total > thresholds.max_dead_letters:

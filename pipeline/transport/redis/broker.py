@@ -27,7 +27,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -48,21 +48,10 @@ from dramatiq.middleware import (
 
 from pipeline.backoff import Backoff
 from pipeline.config import Settings
+from pipeline.transport.base import UndecodableSink
+from pipeline.transport.redis.keys import acks_key, messages_key, queue_key, wake_key
 
 log = logging.getLogger("pipeline.transport.broker")
-
-UndecodableSink = Callable[[str, bytes, str], None]
-"""Called with (queue name, raw message bytes, reason) for a message that is not decodable."""
-
-
-def wake_key(namespace: str, queue_name: str) -> str:
-    return f"{namespace}:pipeline-wake:{queue_name}"
-
-
-def acks_key(namespace: str, broker_id: str, queue_name: str) -> str:
-    """The set of a consumer's fetched, un-acked message ids, as Dramatiq's dispatch script
-    names it (``queue_acks`` in ``dramatiq/brokers/redis/dispatch.lua``; pinned, tested)."""
-    return f"{namespace}:__acks__.{broker_id}.{queue_name}"
 
 
 def _log_undecodable(queue_name: str, data: bytes, reason: str) -> None:
@@ -203,8 +192,8 @@ class WakeableRedisConsumer(_RedisConsumer):
         to the un-acked set (requeued when this worker stops) rather than being lost.
         """
         broker = self.broker
-        acks = f"{broker.namespace}:__acks__.{broker.broker_id}.{self.queue_name}"
-        bodies = f"{broker.namespace}:{self.queue_name}.msgs"
+        acks = acks_key(broker.namespace, broker.broker_id, self.queue_name)
+        bodies = messages_key(broker.namespace, self.queue_name)
         for value in broker.take_bare_values(keys=[acks, bodies]):
             try:
                 broker.undecodable_sink(self.queue_name, value, BARE_VALUE_REASON)
@@ -220,7 +209,7 @@ class WakeableRedisConsumer(_RedisConsumer):
         """Hand the raw bytes to the sink, then remove them from Redis (they can never run)."""
         self.broker.undecodable_sink(self.queue_name, data, reason)
         acks = acks_key(self.broker.namespace, self.broker.broker_id, self.queue_name)
-        messages = f"{self.broker.namespace}:{self.queue_name}.msgs"
+        messages = messages_key(self.broker.namespace, self.queue_name)
         for message_id in self.broker.client.smembers(acks):
             if self.broker.client.hget(messages, message_id) == data:
                 self.broker.do_ack(self.queue_name, message_id)
@@ -269,11 +258,10 @@ class PipelineRedisBroker(RedisBroker):
         the oldest message not yet fetched. An unreadable head counts as none: whatever
         it is, it carries no delivery.
         """
-        queue = f"{self.namespace}:{queue_name}"
-        head = self.client.lindex(queue, 0)
+        head = self.client.lindex(queue_key(self.namespace, queue_name), 0)
         if head is None:
             return None
-        body = self.client.hget(f"{queue}.msgs", head)
+        body = self.client.hget(messages_key(self.namespace, queue_name), head)
         try:
             millis = json.loads(body)["message_timestamp"] if body is not None else None
         except (ValueError, TypeError, KeyError):
@@ -334,7 +322,9 @@ class PipelineRedisBroker(RedisBroker):
         return list(fetched)
 
 
-def make_broker(settings: Settings, middleware: list[Any] | None = None) -> PipelineRedisBroker:
+def make_broker(
+    settings: Settings, middleware: list[Any] | None = None, *, timeout: float | None = None
+) -> PipelineRedisBroker:
     """A broker for the configured Redis (``redis://``, ``rediss://`` TLS, or ``unix://``).
 
     Dramatiq's Retries middleware sends a message whose actor raised back to the queue
@@ -343,6 +333,9 @@ def make_broker(settings: Settings, middleware: list[Any] | None = None) -> Pipe
     bookkeeping (attempt history, dead letters in Postgres) — so what it retries is an
     infrastructure failure: the database or Redis went away mid-message. Each actor
     sets its own limits (``max_retries``, ``min_backoff``, ``max_backoff``).
+
+    ``timeout`` bounds every Redis call (connect and reply) of the broker's client; None
+    (workers, relays) blocks as long as a call takes.
     """
     stack = (
         middleware
@@ -356,11 +349,19 @@ def make_broker(settings: Settings, middleware: list[Any] | None = None) -> Pipe
             Retries(),
         ]
     )
+    url = settings.require_redis_url()
+    connection: dict[str, Any] = {"url": url}
+    if timeout is not None:
+        connection = {
+            "client": redis.Redis.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout
+            )
+        }
     return PipelineRedisBroker(
-        url=settings.require_redis_url(),
         namespace=settings.redis_namespace,
         middleware=stack,
         heartbeat_timeout=settings.broker_heartbeat_timeout_ms,
         maintenance_chance=settings.broker_maintenance_chance,
         outage_backoff_max=settings.reconnect_backoff_max,
+        **connection,
     )

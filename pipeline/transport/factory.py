@@ -1,0 +1,35 @@
+"""The one place a broker URL's scheme maps to a transport implementation.
+
+A new broker is a new package beside :mod:`pipeline.transport.redis` (its
+:class:`~pipeline.transport.base.Transport` subclass, publisher and whatever private
+layout it needs) plus its schemes here; the relay, the inbox and the tools only ever see
+:class:`~pipeline.transport.base.Transport`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipeline.config import Settings
+from pipeline.errors import ConfigurationError
+from pipeline.transport.base import Transport
+
+REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+
+
+def transport_class(url: str) -> type[Transport]:
+    """The implementation for ``url``'s scheme (imported on first use)."""
+    scheme = urlsplit(url).scheme
+    if scheme in REDIS_SCHEMES:
+        from pipeline.transport.redis.transport import RedisTransport
+
+        return RedisTransport
+    raise ConfigurationError(f"PIPELINE_REDIS_URL: no transport for the scheme {scheme!r}")
+
+
+def open_transport(
+    settings: Settings, middleware: list[Any] | None = None, *, timeout: float | None = None
+) -> Transport:
+    """The configured transport, with its Dramatiq broker (see :class:`Transport`)."""
+    return transport_class(settings.require_redis_url())(settings, middleware, timeout=timeout)
