@@ -17,18 +17,39 @@ from pipeline.outbox import add_event_async, add_events_async
 CHANNEL = "pipeline_outbox"
 
 
+class Listener:
+    """A session LISTENing on the outbox channel that counts what has arrived so far.
+
+    Notifications from different transactions reach a listener in commit order, so a
+    marker notified after the code under test has committed arrives after all of its
+    notifications: counting up to the marker is exact and waits for nothing more.
+    """
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.conn = psycopg.connect(url, autocommit=True)
+        self.conn.execute(f"LISTEN {CHANNEL}")
+
+    def drain(self) -> int:
+        """The notifications committed since the last drain (the marker's excluded)."""
+        marker = f"test-marker-{uuid.uuid4()}"
+        with psycopg.connect(self.url, autocommit=True) as other:
+            other.execute("SELECT pg_notify(%s, %s)", (CHANNEL, marker))
+        received = 0
+        for notification in self.conn.notifies(timeout=60):
+            if notification.payload == marker:
+                return received
+            received += 1
+        raise AssertionError("the marker notification did not arrive within 60 s")
+
+
 @pytest.fixture
-def listener(settings: Settings) -> Iterator[psycopg.Connection[tuple[object, ...]]]:
-    conn = psycopg.connect(settings.require_database_url(), autocommit=True)
-    conn.execute(f"LISTEN {CHANNEL}")
+def listener(settings: Settings) -> Iterator[Listener]:
+    value = Listener(settings.require_database_url())
     try:
-        yield conn
+        yield value
     finally:
-        conn.close()
-
-
-def drain_notifications(conn: psycopg.Connection[tuple[object, ...]], wait: float) -> int:
-    return sum(1 for _ in conn.notifies(timeout=wait))
+        value.conn.close()
 
 
 @pytest.fixture
@@ -51,7 +72,7 @@ def test_rolled_back_event_leaves_no_row_and_no_notification(engine, listener, b
         session.rollback()
     assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 0
     assert count(engine, "SELECT count(*) FROM orders") == 0
-    assert drain_notifications(listener, 0.5) == 0
+    assert listener.drain() == 0
 
 
 def test_committed_event_gives_one_row_and_one_notification(engine, listener, business_table):
@@ -64,7 +85,7 @@ def test_committed_event_gives_one_row_and_one_notification(engine, listener, bu
             aggregate_type="order",
             aggregate_id="o1",
         )
-    assert drain_notifications(listener, 2.0) == 1
+    assert listener.drain() == 1
     with engine.connect() as conn:
         row = conn.execute(
             text(
@@ -85,7 +106,7 @@ def test_thousand_events_in_one_transaction_fold_into_one_notification(engine, l
         ids = add_events(session, events)
     assert len(set(ids)) == 1000
     assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 1000
-    assert drain_notifications(listener, 2.0) == 1
+    assert listener.drain() == 1
     # within each ordering key, seq follows the order the events were given in
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT id, ordering_key FROM pipeline.outbox ORDER BY seq")).all()
@@ -98,7 +119,7 @@ def test_separate_transactions_notify_separately(engine, listener):
     for i in range(3):
         with Session(engine) as session, session.begin():
             add_event(session, "ping", {"i": i})
-    assert drain_notifications(listener, 2.0) == 3
+    assert listener.drain() == 3
 
 
 @pytest.mark.parametrize(
@@ -121,7 +142,7 @@ def test_invalid_event_is_rejected_and_transaction_stays_usable(
         session.execute(text("INSERT INTO orders VALUES ('o2', 20)"))
     assert count(engine, "SELECT count(*) FROM orders") == 2
     assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 0
-    assert drain_notifications(listener, 0.5) == 0
+    assert listener.drain() == 0
 
 
 def test_invalid_event_type_is_rejected(engine):
@@ -175,10 +196,10 @@ async def test_async_session_commit_and_rollback(settings, listener):
         async with AsyncSession(engine) as session, session.begin():
             await add_event_async(session, "a", {"n": 1})
             await session.rollback()
-        assert drain_notifications(listener, 0.5) == 0
+        assert listener.drain() == 0
         async with AsyncSession(engine) as session, session.begin():
             await add_events_async(session, [NewEvent("a", {"n": i}) for i in range(1000)])
-        assert drain_notifications(listener, 2.0) == 1
+        assert listener.drain() == 1
         async with AsyncSession(engine) as session, session.begin():
             with pytest.raises(EventValidationError, match="over the limit"):
                 await add_event_async(session, "a", {"blob": "y" * 300_000})
@@ -199,11 +220,11 @@ def test_core_connection_joins_its_transaction_and_autocommit_is_refused(
         conn.rollback()
     assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 0
     assert count(engine, "SELECT count(*) FROM orders") == 0
-    assert drain_notifications(listener, 0.5) == 0
+    assert listener.drain() == 0
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO orders VALUES ('o2', 20)"))
         ids = add_events(conn, [NewEvent("order.placed", {"n": i}) for i in range(3)])
-    assert drain_notifications(listener, 2.0) == 1
+    assert listener.drain() == 1
     with engine.connect() as conn:  # "commit as you go": the event waits for the commit
         late = add_event(conn, "order.placed", {"n": "autobegun"})
         assert count(engine, "SELECT count(*) FROM pipeline.outbox") == 3
@@ -234,7 +255,7 @@ async def test_async_core_connection_commits_with_its_transaction_and_autocommit
         async with engine.connect() as conn:
             total = (await conn.execute(text("SELECT count(*) FROM pipeline.outbox"))).scalar_one()
         assert total == 1
-        assert drain_notifications(listener, 2.0) == 1
+        assert listener.drain() == 1
     finally:
         await engine.dispose()
 
