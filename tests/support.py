@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -10,35 +11,78 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import dramatiq
 import redis
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, Settings, add_events
 from pipeline.registry import Registry
+from pipeline.registry import registry as global_registry
 from pipeline.relay.relay import Relay
-from pipeline.runtime import Runtime
+from pipeline.runtime import Runtime, build_runtime
 from pipeline.transport.redis.keys import messages_key, queue_key
 
 ROOT = Path(__file__).resolve().parent.parent
+SOAK = os.environ.get("PIPELINE_SOAK") == "1"
 
 
-def wait_until(predicate: Callable[[], Any], timeout: float = 30.0, interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until truthy; fail the test (not hang) after ``timeout``."""
+def soak(short: int, long: int) -> int:
+    """A workload's size: ``short`` in the default run, ``long`` with ``PIPELINE_SOAK=1``.
+
+    The short size still exercises the guarantee under test (retries happen, kills land
+    mid-batch, keys interleave); the long one is the soak, for a release or a suspicion.
+    """
+    return long if SOAK else short
+
+
+def wait_until(
+    predicate: Callable[[], Any],
+    timeout: float = 30.0,
+    interval: float = 0.02,
+    *,
+    progress: Callable[[], Any] | None = None,
+    alive: Sequence[subprocess.Popen[bytes]] = (),
+) -> Any:
+    """Poll ``predicate`` until truthy and return its value; fail the test (not hang) else.
+
+    ``timeout`` bounds the whole wait, or, when ``progress`` is given, a stall only: the
+    deadline restarts whenever ``progress()`` returns a new value (a count rising, a log
+    growing), so a slow but moving system on a busy machine does not fail the test while
+    a stuck one still does. A process in ``alive`` that exits fails the wait at once.
+    """
     deadline = time.monotonic() + timeout
+    seen = progress() if progress is not None else None
     while True:
         value = predicate()
         if value:
             return value
+        for process in alive:
+            if process.poll() is not None:
+                raise AssertionError(
+                    f"process {process.args!r} exited with {process.returncode} "
+                    f"while waiting for {predicate}"
+                )
+        if progress is not None:
+            now = progress()
+            if now != seen:
+                seen = now
+                deadline = time.monotonic() + timeout
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout}s: {predicate}")
+            stalled = " without progress" if progress is not None else ""
+            raise AssertionError(f"condition not met within {timeout}s{stalled}: {predicate}")
         time.sleep(interval)
+
+
+def log_size(*paths: Path) -> int:
+    """The total size of these log files: a progress measure for :func:`wait_until`."""
+    return sum(path.stat().st_size for path in paths if path.exists())
 
 
 def queue_messages(settings: Settings, queue: str) -> list[dict[str, Any]]:
@@ -82,6 +126,59 @@ def running_relay(runtime: Runtime, registry: Registry, **options: Any) -> Itera
         relay.shutdown()
         thread.join(timeout=15)
         assert not thread.is_alive(), "relay did not stop"
+
+
+_APP_REGISTRIES: dict[str, Registry] = {}
+
+
+def app_registry(module: str) -> Registry:
+    """The consumers that test app ``module`` registers, in a registry of their own.
+
+    Importing the module registers its consumers in the process-wide registry; they are
+    moved out of it on first use (the import is cached, so once per process), so an
+    in-process worker runs exactly the app's consumers and later tests do not see them.
+    """
+    if module not in _APP_REGISTRIES:
+        importlib.import_module(module)
+        private = Registry()
+        for subscription in global_registry.all():
+            function = getattr(subscription.handler, "function", None)
+            if function is not None and function.__module__ == module:
+                private.add(subscription)
+                global_registry.remove(subscription.consumer)
+        _APP_REGISTRIES[module] = private
+    return _APP_REGISTRIES[module]
+
+
+@contextmanager
+def running_worker(runtime: Runtime, threads: int = 4) -> Iterator[dramatiq.Worker]:
+    """Dramatiq's worker in this process, on the runtime's real Redis broker.
+
+    What ``pipeline worker`` runs in each of its processes, minus the process: for tests
+    about what the inbox does, not about processes dying (those start ``pipeline worker``).
+    """
+    worker = dramatiq.Worker(runtime.broker, worker_threads=threads, worker_timeout=100)
+    worker.start()
+    try:
+        yield worker
+    finally:
+        worker.stop(timeout=15_000)
+
+
+@contextmanager
+def running_pipeline(
+    settings: Settings, app: str, threads: int = 4, **relay_options: Any
+) -> Iterator[Runtime]:
+    """A relay (a thread) and a worker in this process, for the consumers of test ``app``."""
+    runtime = build_runtime(settings, app_registry(app), set_global_broker=False)
+    try:
+        with (
+            running_worker(runtime, threads),
+            running_relay(runtime, runtime.registry, **relay_options),
+        ):
+            yield runtime
+    finally:
+        runtime.close()
 
 
 FIELDS_FOR_SUBPROCESSES = (

@@ -21,6 +21,7 @@ from pipeline.tools.harness.embedded import EmbeddedRedis
 from tests.support import (
     pipeline_env,
     produce,
+    soak,
     start_relay,
     start_worker,
     stop_process,
@@ -94,10 +95,11 @@ def status_json(settings: Settings) -> tuple[int, dict]:
     return done.returncode, json.loads(done.stdout)
 
 
+@pytest.mark.soak
 def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settings, tmp_path):
     """Postgres drops the workers' connections while handlers run, five times: every
     message they were handling is retried, and every stage runs once per order."""
-    orders = [f"kill-{i}" for i in range(600)]
+    orders = [f"kill-{i}" for i in range(soak(300, 600))]
     place_orders(engine, orders)  # first: the killer must not hit the test's own connections
     relay = start_relay(chaos_settings, APP, tmp_path / "relay.log")
     workers = start_worker(
@@ -127,8 +129,10 @@ def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settin
         killer.join(90)
         wait_until(
             lambda: len(stage_counts(engine, "notifications")) == len(orders),
-            timeout=180,
+            timeout=60,
             interval=0.5,
+            progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
+            alive=[relay, workers],
         )
         time.sleep(1.0)  # any late duplicate would show now
     finally:
@@ -142,11 +146,12 @@ def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settin
     assert "kill-" not in log  # ...without the messages' payloads (the order ids)
 
 
+@pytest.mark.soak
 def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_settings, tmp_path):
     """Events sent to Redis, Redis restarted empty before any worker ran: `pipeline status`
     reports the deliveries owed past the horizon, and the relay's ledger sweep sends them
     again, so every stage still runs once per order."""
-    orders = [f"forget-{i}" for i in range(300)]
+    orders = [f"forget-{i}" for i in range(soak(100, 300))]
     with EmbeddedRedis(tmp_path / "redis") as redis_server:
         settings = chaos_settings.replace(redis_url=redis_server.url)
         relay = start_relay(settings, APP, tmp_path / "relay.log")
@@ -158,6 +163,8 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
                     == len(orders)
                 ),
                 timeout=60,
+                progress=lambda: scalar(engine, "SELECT count(*) FROM pipeline.outbox"),
+                alive=[relay],
             )
         finally:
             stop_process(relay)
@@ -167,7 +174,8 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
         code, status = status_json(settings)
         assert code == 1 and not status["healthy"], status
         assert status["owed"] == {"payments": len(orders)}, status
-        assert any("300 deliveries to payments" in p for p in status["problems"]), status
+        owed = f"{len(orders)} deliveries to payments"
+        assert any(owed in p for p in status["problems"]), status
         event_id = scalar(engine, "SELECT id FROM pipeline.outbox ORDER BY seq LIMIT 1")
         traced = subprocess.run(
             [sys.executable, "-m", "pipeline.tools.cli", "trace", str(event_id), "--json"],
@@ -188,8 +196,10 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
         try:
             wait_until(
                 lambda: len(stage_counts(engine, "notifications")) == len(orders),
-                timeout=180,
+                timeout=60,
                 interval=0.5,
+                progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
+                alive=[relay, workers],
             )
             time.sleep(1.0)
             code, status = status_json(settings)
@@ -249,8 +259,10 @@ def test_an_ordered_key_whose_events_redis_forgot_resumes_in_order(
             produce(engine, steps(10, 15), per_transaction=20)
             wait_until(
                 lambda: scalar(engine, "SELECT count(*) FROM seq_log") == 300,
-                timeout=120,
+                timeout=60,
                 interval=0.5,
+                progress=lambda: scalar(engine, "SELECT count(*) FROM seq_log"),
+                alive=[relay, workers],
             )
         finally:
             stop_process(workers)

@@ -13,6 +13,7 @@ from pipeline import NewEvent, Settings, configure
 from tests.support import (
     produce,
     queue_envelopes,
+    soak,
     start_relay,
     start_worker,
     stop_process,
@@ -46,11 +47,13 @@ def assert_key_order(envelopes: list[dict]) -> None:
         last[key] = seq
 
 
+@pytest.mark.soak
 def test_sigkill_of_a_publishing_worker_loses_nothing(engine, proc_settings, tmp_path):
     settings = proc_settings.replace(batch_size=1000)
+    total = soak(10_000, 30_000)
     ids = produce(
         engine,
-        [NewEvent("order.placed", {"i": i}, aggregate_id=str(i % 50)) for i in range(30_000)],
+        [NewEvent("order.placed", {"i": i}, aggregate_id=str(i % 50)) for i in range(total)],
         per_transaction=1000,
     )
     relay = start_relay(settings, APP, tmp_path / "relay.log", "--mode", "workers")
@@ -69,7 +72,12 @@ def test_sigkill_of_a_publishing_worker_loses_nothing(engine, proc_settings, tmp
             if stranded.get("publishing", 0) > 0:
                 break
         assert stranded.get("publishing", 0) > 0, "no kill landed mid-batch"
-        wait_until(lambda: status_counts(engine) == {"sent": 30_000}, timeout=120)
+        wait_until(
+            lambda: status_counts(engine) == {"sent": total},
+            timeout=60,
+            progress=lambda: status_counts(engine).get("sent"),
+            alive=[relay, worker],
+        )
     finally:
         stop_process(worker)
         stop_process(relay)
@@ -81,9 +89,11 @@ def test_sigkill_of_a_publishing_worker_loses_nothing(engine, proc_settings, tmp
     print(f"stranded at kill: {stranded}; duplicates after the crash: {duplicates}")
 
 
+@pytest.mark.soak
 def test_two_relays_and_two_workers_deliver_everything_once_in_key_order(
     engine, proc_settings, tmp_path
 ):
+    per_producer = soak(2000, 5000)
     relays = [
         start_relay(proc_settings, APP, tmp_path / f"relay{n}.log", "--mode", "auto")
         for n in range(2)
@@ -97,19 +107,24 @@ def test_two_relays_and_two_workers_deliver_everything_once_in_key_order(
                 engine,
                 [
                     NewEvent("order.placed", {"i": i}, aggregate_id=str(i % 100))
-                    for i in range(offset, offset + 5000)
+                    for i in range(offset, offset + per_producer)
                 ],
                 per_transaction=10,
             )
         )
 
     try:
-        threads = [threading.Thread(target=producer, args=(n * 5000,)) for n in range(2)]
+        threads = [threading.Thread(target=producer, args=(n * per_producer,)) for n in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(180)
-        wait_until(lambda: status_counts(engine) == {"sent": 10_000}, timeout=120)
+        wait_until(
+            lambda: status_counts(engine) == {"sent": 2 * per_producer},
+            timeout=60,
+            progress=lambda: status_counts(engine).get("sent"),
+            alive=[worker, *relays],
+        )
     finally:
         for process in [worker, *relays]:
             stop_process(process)

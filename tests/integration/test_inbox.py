@@ -1,7 +1,8 @@
 """Inbox: effectively-once handlers, idempotency keys, retries, dead letters, ordered consumers.
 
-Workers and relays run as real processes (``pipeline worker`` / ``pipeline relay``)
-against real Postgres and Redis.
+Against real Postgres and Redis; workers run as real processes (``pipeline worker``) where
+the test is about them (metrics of several processes, a worker killed mid-handler), else
+in this process with the relay (same broker, same actors, no process start-up to wait for).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pipeline.transport.redis.keys import messages_key, queue_key
 from tests.support import (
     multiprocess_metric,
     produce,
-    start_relay,
+    running_pipeline,
+    soak,
     start_worker,
     stop_process,
     wait_until,
@@ -139,31 +141,26 @@ def test_every_message_delivered_three_times_takes_effect_once(
     assert scalar(engine, "SELECT count(*) FROM pipeline.inbox WHERE status = 'processed'") == 200
 
 
-def test_retried_handler_commits_rows_once_and_charges_once(engine, inbox_settings, tmp_path):
+def test_retried_handler_commits_rows_once_and_charges_once(engine, inbox_settings, monkeypatch):
     api = PaymentServer().start()
-    relay = start_relay(inbox_settings, APP, tmp_path / "relay.log")
-    worker = start_worker(
-        inbox_settings,
-        APP,
-        tmp_path / "worker.log",
-        1,
-        2,
-        TEST_PAYMENT_API=api.url,
-        TEST_FAIL_RATE="0.6",
-    )
+    monkeypatch.setattr(f"{APP}.PAYMENT_API", api.url)
+    monkeypatch.setattr(f"{APP}.FAIL_RATE", 0.6)
+    orders = [f"pay-{i}" for i in range(30)]
     try:
-        orders = [f"pay-{i}" for i in range(30)]
-        produce(
-            engine,
-            [
-                NewEvent("order.placed", {"order_id": o, "amount": 5}, aggregate_id=o)
-                for o in orders
-            ],
-        )
-        wait_until(lambda: len(stage_counts(engine, "notifications")) == 30, timeout=90)
+        with running_pipeline(inbox_settings, APP, threads=2):
+            produce(
+                engine,
+                [
+                    NewEvent("order.placed", {"order_id": o, "amount": 5}, aggregate_id=o)
+                    for o in orders
+                ],
+            )
+            wait_until(
+                lambda: len(stage_counts(engine, "notifications")) == 30,
+                timeout=60,
+                progress=lambda: scalar(engine, "SELECT count(*) FROM pipeline.attempts"),
+            )
     finally:
-        stop_process(worker)
-        stop_process(relay)
         api.stop()
     assert stage_counts(engine, "payments") == Counter({o: 1 for o in orders})
     charged = Counter(c["request"]["order_id"] for c in api.ledger.charges)
@@ -211,28 +208,30 @@ def test_worker_killed_mid_handler_processes_the_event_once(engine, inbox_settin
     assert scalar(engine, "SELECT status FROM pipeline.inbox") == "processed"
 
 
+@pytest.mark.soak
 def test_three_stage_workflow_with_random_failures_runs_each_stage_once(
-    engine, inbox_settings, tmp_path
+    engine, inbox_settings, monkeypatch
 ):
-    relay = start_relay(inbox_settings, APP, tmp_path / "relay.log")
-    workers = start_worker(inbox_settings, APP, tmp_path / "worker.log", 2, 4, TEST_FAIL_RATE="0.1")
-    orders = [f"wf-{i}" for i in range(1000)]
-    try:
-        produce(
-            engine,
-            [
-                NewEvent("order.placed", {"order_id": o}, aggregate_type="order", aggregate_id=o)
-                for o in orders
-            ],
-            per_transaction=50,
-        )
+    monkeypatch.setattr(f"{APP}.FAIL_RATE", 0.1)
+    orders = [f"wf-{i}" for i in range(soak(300, 1000))]
+    # Placed before the pipeline runs: the test's 50-order transactions and the handlers'
+    # follow-ups take key locks in different orders, and can deadlock each other.
+    produce(
+        engine,
+        [
+            NewEvent("order.placed", {"order_id": o}, aggregate_type="order", aggregate_id=o)
+            for o in orders
+        ],
+        per_transaction=50,
+    )
+    with running_pipeline(inbox_settings, APP, threads=8):
         wait_until(
-            lambda: len(stage_counts(engine, "notifications")) == 1000, timeout=240, interval=0.5
+            lambda: len(stage_counts(engine, "notifications")) == len(orders),
+            timeout=60,
+            interval=0.2,
+            progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
         )
-        time.sleep(1.0)
-    finally:
-        stop_process(workers)
-        stop_process(relay)
+        time.sleep(0.5)  # a late duplicate would show now
     for stage in ("payments", "inventory", "notifications"):
         assert stage_counts(engine, stage) == Counter({o: 1 for o in orders}), stage
     assert scalar(engine, "SELECT count(*) FROM pipeline.attempts WHERE stage = 'consume'") > 0
@@ -253,37 +252,34 @@ def test_three_stage_workflow_with_random_failures_runs_each_stage_once(
             assert (charged[1], placed[1]) == ("payment.charged", "order.placed")
             assert row[3] == charged[3] == placed[3] == str(placed[0])  # one correlation id
             chains += 1
-    assert chains == 1000
+    assert chains == len(orders)
 
 
-def test_ordered_consumer_processes_each_key_in_sequence(engine, inbox_settings, tmp_path):
-    relay = start_relay(
-        inbox_settings.replace(max_events_per_message=5), APP, tmp_path / "relay.log"
-    )
-    worker = start_worker(inbox_settings, APP, tmp_path / "worker.log", 2, 8, TEST_FAIL_RATE="0.05")
-    try:
+@pytest.mark.soak
+def test_ordered_consumer_processes_each_key_in_sequence(engine, inbox_settings, monkeypatch):
+    monkeypatch.setattr(f"{APP}.FAIL_RATE", 0.05)
+    keys, steps = soak(40, 100), soak(25, 50)
+    with running_pipeline(inbox_settings.replace(max_events_per_message=5), APP, threads=8):
         events = [
             NewEvent("seq.step", {"n": n}, ordering_key=f"key-{k}")
-            for n in range(50)
-            for k in range(100)
+            for n in range(steps)
+            for k in range(keys)
         ]
         produce(engine, events, per_transaction=100)
         wait_until(
-            lambda: scalar(engine, "SELECT count(*) FROM seq_log") == 5000,
-            timeout=240,
-            interval=0.5,
+            lambda: scalar(engine, "SELECT count(*) FROM seq_log") == keys * steps,
+            timeout=60,
+            interval=0.2,
+            progress=lambda: scalar(engine, "SELECT count(*) FROM seq_log"),
         )
-    finally:
-        stop_process(worker)
-        stop_process(relay)
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT ordering_key, seq, n FROM seq_log ORDER BY id")).all()
     seen: dict[str, list[int]] = {}
     for key, _, n in rows:
         seen.setdefault(key, []).append(n)
-    assert len(seen) == 100
+    assert len(seen) == keys
     for key, ns in seen.items():
-        assert ns == list(range(50)), f"{key} processed out of order: {ns[:20]}"
+        assert ns == list(range(steps)), f"{key} processed out of order: {ns[:20]}"
 
 
 def test_garbage_and_unknown_consumer_messages_are_dead_lettered(engine, inbox_settings, tmp_path):

@@ -35,11 +35,9 @@ class Listener:
         marker = f"test-marker-{uuid.uuid4()}"
         with psycopg.connect(self.url, autocommit=True) as other:
             other.execute("SELECT pg_notify(%s, %s)", (CHANNEL, marker))
-        received = 0
-        for notification in self.conn.notifies(timeout=60):
+        for received, notification in enumerate(self.conn.notifies(timeout=60)):
             if notification.payload == marker:
                 return received
-            received += 1
         raise AssertionError("the marker notification did not arrive within 60 s")
 
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pipeline.errors import EmbeddedServerError, ServerStartError
 from pipeline.tools.harness.binaries import RunAs, find_postgres_bin_dir, resolve_run_as, server_env
@@ -23,6 +24,13 @@ class EmbeddedPostgres(EmbeddedServer):
     default. ``data_dir`` is used as PGDATA (initdb'd if absent or empty); when
     omitted a temporary one is made and :meth:`cleanup` deletes it. When running as root the
     server runs as ``run_as`` (default ``pipelinepg``), which must be able to reach data_dir.
+    """
+
+    initdb_cache: ClassVar[Path | None] = None
+    """When set, initdb runs once per set of binaries into this directory and each new data
+    directory is a copy of that cluster: initdb and its fsyncs take seconds, a copy a few
+    milliseconds. For callers that start many servers (the test suite sets it per session);
+    the copy is a fresh cluster like any other, and the directory is the caller's to delete.
     """
 
     _kind = "Postgres"
@@ -87,7 +95,27 @@ class EmbeddedPostgres(EmbeddedServer):
 
     def _initdb(self) -> None:
         assert self._bin_dir is not None
-        data = self._data_dir
+        cache = self.initdb_cache
+        if cache is None:
+            self._run_initdb(self._data_dir)
+        else:
+            key = hashlib.sha256(str(self._bin_dir).encode()).hexdigest()[:16]
+            template = cache / f"pgdata-{key}"
+            if not (template / "PG_VERSION").exists():
+                shutil.rmtree(template, ignore_errors=True)  # a half-made one
+                self._run_initdb(template)
+            self._copy_cluster(template, self._data_dir)
+        self.log_path.touch()
+        self._chown(self.log_path)
+
+    def _copy_cluster(self, template: Path, data: Path) -> None:
+        shutil.copytree(template, data, dirs_exist_ok=True)
+        data.chmod(0o700)
+        for path in [data, *data.rglob("*")]:
+            self._chown(path)
+
+    def _run_initdb(self, data: Path) -> None:
+        assert self._bin_dir is not None
         data.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._chown(data)
         command = [
@@ -120,8 +148,6 @@ class EmbeddedPostgres(EmbeddedServer):
                 f"initdb failed with code {result.returncode} for {data}{hint}:\n"
                 + "\n".join(output)
             )
-        self.log_path.touch()
-        self._chown(self.log_path)
 
     def _command(self) -> list[str]:
         assert self._bin_dir is not None and self._socket_dir is not None
