@@ -16,7 +16,8 @@ import re
 import threading
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -31,7 +32,7 @@ from pipeline.config import Settings, get_settings
 from pipeline.db.connect import permission_denied
 from pipeline.db.ordering import ordering_lock_bucket
 from pipeline.db.stores.outbox import OutboxStore
-from pipeline.errors import BacklogFull, EventValidationError, PermissionDeniedError
+from pipeline.errors import BacklogFull, EventValidationError
 from pipeline.ids import uuid7
 from pipeline.observability.tracing import span_headers, start_create_span
 from pipeline.registry import EVENT_TYPE
@@ -97,17 +98,12 @@ def add_events(session: Session | Connection, events: Sequence[NewEvent]) -> lis
     if rows:
         connection = session if isinstance(session, Connection) else session.connection()
         _refuse_autocommit(connection)
-        try:
+        with _permission_errors(settings):
             if settings.backlog_limit and _gate.due(settings):
                 query, params = _gate.query(settings)
                 _gate.record(settings, connection.exec_driver_sql(query, params).scalar_one())
             _gate.check(settings)
             connection.exec_driver_sql(*_insert(rows, settings))
-        except DBAPIError as exc:
-            denied = _denied(exc, settings)
-            if denied is None:
-                raise
-            raise denied from exc
     return [row["id"] for row in rows]
 
 
@@ -130,18 +126,13 @@ async def add_events_async(
         else:
             connection = await session.connection()
         _refuse_autocommit(connection.sync_connection)
-        try:
+        with _permission_errors(settings):
             if settings.backlog_limit and _gate.due(settings):
                 query, params = _gate.query(settings)
                 result = await connection.exec_driver_sql(query, params)
                 _gate.record(settings, result.scalar_one())
             _gate.check(settings)
             await connection.exec_driver_sql(*_insert(rows, settings))
-        except DBAPIError as exc:
-            denied = _denied(exc, settings)
-            if denied is None:
-                raise
-            raise denied from exc
     return [row["id"] for row in rows]
 
 
@@ -162,13 +153,24 @@ def _refuse_autocommit(connection: Connection | None) -> None:
         )
 
 
-def _denied(exc: DBAPIError, settings: Settings) -> PermissionDeniedError | None:
-    """A missing grant as one clear error (the transaction is aborted, as for any failed SQL)."""
-    schema = settings.schema_name
-    needed = f"INSERT on {schema}.outbox"
-    if settings.backlog_limit:
-        needed = f"SELECT and INSERT on {schema}.outbox (PIPELINE_BACKLOG_LIMIT counts it)"
-    return permission_denied(exc, f"adding events needs USAGE on schema {schema} and {needed}")
+@contextmanager
+def _permission_errors(settings: Settings) -> Iterator[None]:
+    """A missing grant as one clear error (the transaction is aborted, as for any failed
+    SQL); any other driver error passes through as it is. Shared by the sync and async
+    producers, whose statements differ only in being awaited."""
+    try:
+        yield
+    except DBAPIError as exc:
+        schema = settings.schema_name
+        needed = f"INSERT on {schema}.outbox"
+        if settings.backlog_limit:
+            needed = f"SELECT and INSERT on {schema}.outbox (PIPELINE_BACKLOG_LIMIT counts it)"
+        denied = permission_denied(
+            exc, f"adding events needs USAGE on schema {schema} and {needed}"
+        )
+        if denied is None:
+            raise
+        raise denied from exc
 
 
 class BacklogGate:

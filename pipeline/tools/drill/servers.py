@@ -49,11 +49,10 @@ def address(url: str, default_port: int) -> tuple[str, int]:
     return parts.hostname or "127.0.0.1", parts.port or default_port
 
 
-class OwnedPostgres:
-    """A throwaway Postgres the drill may restart (``-m fast`` or ``-m immediate``)."""
+class _OwnedServer:
+    """What the drill's two servers share: where they are, and how the drill lets go."""
 
-    def __init__(self) -> None:
-        self.server = EmbeddedPostgres(durable=True)
+    server: EmbeddedPostgres | EmbeddedRedis
 
     @property
     def url(self) -> str:
@@ -62,6 +61,23 @@ class OwnedPostgres:
     @property
     def data_dir(self) -> str:
         return str(self.server.data_dir)
+
+    def start(self) -> None:
+        self.server.start()
+
+    def close(self, keep: bool) -> None:
+        """Stop the server; unless ``keep``, delete its data too."""
+        if keep:
+            self.server.stop()
+        else:
+            self.server.cleanup()
+
+
+class OwnedPostgres(_OwnedServer):
+    """A throwaway Postgres the drill may restart (``-m fast`` or ``-m immediate``)."""
+
+    def __init__(self) -> None:
+        self.server: EmbeddedPostgres = EmbeddedPostgres(durable=True)
 
     def start(self) -> None:
         self.server.start()
@@ -86,29 +102,12 @@ class OwnedPostgres:
         self.server.start()  # crash recovery after an immediate stop; waits until ready
         return time.monotonic() - began
 
-    def close(self, keep: bool) -> None:
-        if keep:
-            self.server.stop()
-        else:
-            self.server.cleanup()
 
-
-class OwnedRedis:
+class OwnedRedis(_OwnedServer):
     """A throwaway Redis the drill may crash and restart, with or without persistence."""
 
     def __init__(self) -> None:
-        self.server = EmbeddedRedis(persistent=True)
-
-    @property
-    def url(self) -> str:
-        return self.server.url
-
-    @property
-    def data_dir(self) -> str:
-        return str(self.server.data_dir)
-
-    def start(self) -> None:
-        self.server.start()
+        self.server: EmbeddedRedis = EmbeddedRedis(persistent=True)
 
     def prepare(self, mode: RedisMode) -> None:
         """Switch persistence for the coming crash: AOF fsynced always, every second, or none."""
@@ -138,12 +137,6 @@ class OwnedRedis:
         time.sleep(seconds)
         self.server.start()
         return time.monotonic() - began
-
-    def close(self, keep: bool) -> None:
-        if keep:
-            self.server.stop()
-        else:
-            self.server.cleanup()
 
     def _persist_again(self) -> None:
         """Back to the baseline (AOF, fsync always), the file rewritten before anything else."""
