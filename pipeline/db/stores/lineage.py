@@ -4,6 +4,7 @@ attempts, each consumer's inbox record, dead letters and follow-up events."""
 from __future__ import annotations
 
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -13,6 +14,8 @@ from pipeline.db.queries import queries_for
 
 
 class EventRow(NamedTuple):
+    """The outbox row, with whom it was sent to and the database's clock."""
+
     id: uuid.UUID
     seq: int
     event_type: str
@@ -33,7 +36,12 @@ class EventRow(NamedTuple):
     now: datetime  # the database's clock when read
 
 
-class AttemptRow(NamedTuple):
+# The rows below are dataclasses rather than tuples: ``pipeline trace`` shows them as they
+# are, in its text and its JSON (``dataclasses.asdict``).
+
+
+@dataclass
+class AttemptRow:
     stage: str
     consumer: str | None
     attempt: int
@@ -42,7 +50,8 @@ class AttemptRow(NamedTuple):
     at: datetime
 
 
-class InboxRow(NamedTuple):
+@dataclass
+class InboxRow:
     consumer: str
     status: str
     attempts: int
@@ -53,7 +62,8 @@ class InboxRow(NamedTuple):
     redeliveries: int
 
 
-class DeadLetterRow(NamedTuple):
+@dataclass
+class DeadLetterRow:
     id: int
     stage: str
     consumer: str | None

@@ -18,7 +18,7 @@ import psycopg
 
 from pipeline.config import Settings
 from pipeline.db.connect import connect
-from pipeline.db.stores.lineage import InboxRow, LineageStore
+from pipeline.db.stores.lineage import AttemptRow, DeadLetterRow, InboxRow, LineageStore
 from pipeline.driver_errors import wrap_driver_errors
 from pipeline.errors import NotFoundError
 from pipeline.policy import redelivery_horizon
@@ -27,38 +27,10 @@ MAX_DEPTH = 20
 
 
 @dataclass
-class Attempt:
-    stage: str
-    consumer: str | None
-    attempt: int
-    error_class: str
-    error: str
-    at: datetime
-
-
-@dataclass
-class Delivery:
+class Delivery(InboxRow):
     """One consumer's record of the event; ``owed`` once it has no outcome past the horizon."""
 
-    consumer: str
-    status: str
-    attempts: int
-    received_at: datetime | None
-    processed_at: datetime | None
-    last_error_class: str | None
-    delivered_at: datetime | None = None
-    redeliveries: int = 0
     owed: bool = False
-
-
-@dataclass
-class DeadLetter:
-    id: int
-    stage: str
-    consumer: str | None
-    reason: str
-    error_class: str
-    at: datetime
 
 
 @dataclass
@@ -76,9 +48,9 @@ class Lineage:
     trace_id: str | None
     correlation_id: str | None
     causation_id: str | None
-    failed_attempts: list[Attempt] = field(default_factory=list)
+    failed_attempts: list[AttemptRow] = field(default_factory=list)
     deliveries: list[Delivery] = field(default_factory=list)
-    dead_letters: list[DeadLetter] = field(default_factory=list)
+    dead_letters: list[DeadLetterRow] = field(default_factory=list)
     follow_ups: list[Lineage] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
@@ -135,11 +107,11 @@ def load_lineage(
         correlation_id=row.correlation_id,
         causation_id=row.causation_id,
     )
-    lineage.failed_attempts = [Attempt(*r) for r in store.attempts(conn, event_id)]
+    lineage.failed_attempts = store.attempts(conn, event_id)
     lineage.deliveries = _deliveries(
         store.inbox(conn, event_id), row.consumers or [], row.published_at, row.now, horizon
     )
-    lineage.dead_letters = [DeadLetter(*r) for r in store.dead_letters(conn, event_id)]
+    lineage.dead_letters = store.dead_letters(conn, event_id)
     if depth < MAX_DEPTH:
         for child in store.children(conn, event_id):
             lineage.follow_ups.append(load_lineage(conn, schema, child, depth + 1, horizon))
@@ -162,11 +134,18 @@ def _deliveries(
     horizon: float,
 ) -> list[Delivery]:
     """Inbox records, plus the consumers the event went to that have none yet."""
-    found = {row[0]: Delivery(*row) for row in rows}
+    found = {row.consumer: Delivery(**vars(row)) for row in rows}
     for consumer in consumers:
         if consumer not in found:
             found[consumer] = Delivery(
-                consumer, "delivered", 0, None, None, None, delivered_at=published_at
+                consumer,
+                "delivered",
+                0,
+                None,
+                None,
+                None,
+                delivered_at=published_at,
+                redeliveries=0,
             )
     for delivery in found.values():
         unfinished = delivery.status in ("delivered", "pending", "failed")
