@@ -81,7 +81,6 @@ class Transport(ABC):
     broker: Any
     """The Dramatiq broker (consume side, and the send side of actors)."""
 
-    @abstractmethod
     def __init__(
         self,
         settings: Settings,
@@ -93,6 +92,12 @@ class Transport(ABC):
         Dramatiq stack; ``[]`` for a process that only publishes or reads queue depths).
         ``timeout`` bounds each call to the broker (None: block, as relays and workers do).
         """
+        self.settings = settings
+        self.broker = self.build_broker(middleware, timeout)
+
+    @abstractmethod
+    def build_broker(self, middleware: list[Any] | None, timeout: float | None) -> Any:
+        """The Dramatiq broker for :attr:`settings`, as :meth:`__init__` describes it."""
 
     @abstractmethod
     def publisher(self, source: str) -> Publisher:

@@ -8,7 +8,6 @@ from typing import Any, TypeVar
 
 import redis
 
-from pipeline.config import Settings
 from pipeline.driver_errors import translate
 from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
 from pipeline.transport.base import QueueDepth, Slots, Transport, UndecodableSink
@@ -66,21 +65,16 @@ class RedisSlots(Slots):
 
 
 class RedisTransport(Transport):
-    """Dramatiq on Redis (``redis://``, ``rediss://`` TLS, ``unix://``).
-
-    ``middleware`` is the broker's Dramatiq middleware (None: the workers' stack, see
-    :func:`.broker.make_broker`; ``[]`` for a process that only publishes or inspects).
-    ``timeout`` bounds each Redis call of this process (None: block, as workers do).
+    """Dramatiq on Redis (``redis://``, ``rediss://`` TLS, ``unix://``); the broker is
+    :func:`.broker.make_broker`'s, with the workers' middleware stack unless told otherwise.
     """
 
-    def __init__(
-        self,
-        settings: Settings,
-        middleware: list[Any] | None = None,
-        timeout: float | None = None,
-    ) -> None:
-        self.settings = settings
-        self.broker: PipelineRedisBroker = make_broker(settings, middleware, timeout=timeout)
+    broker: PipelineRedisBroker
+
+    def build_broker(
+        self, middleware: list[Any] | None, timeout: float | None
+    ) -> PipelineRedisBroker:
+        return make_broker(self.settings, middleware, timeout=timeout)
 
     @property
     def namespace(self) -> str:
