@@ -11,7 +11,9 @@ from pipeline.tools.cli.options import (
     json_option,
     processes_option,
     rate_option,
+    seconds_option,
     seed_option,
+    share_option,
     threads_option,
 )
 
@@ -36,21 +38,17 @@ from pipeline.tools.cli.options import (
     "until Ctrl-C, and write a prometheus.yml (with the pipeline's alert rules) that a local "
     "Prometheus can start on.",
 )
-@click.option(
+@share_option(
     "--duplicates",
     "duplicate_rate",
-    type=click.FloatRange(0, 1),
-    default=0.1,
-    show_default=True,
-    help="Share of sent events delivered a second time to their consumers.",
+    0.1,
+    "Share of sent events delivered a second time to their consumers.",
 )
-@click.option(
+@share_option(
     "--failures",
     "fail_rate",
-    type=click.FloatRange(0, 1),
-    default=0.05,
-    show_default=True,
-    help="Share of handler attempts that fail transiently (after doing their work).",
+    0.05,
+    "Share of handler attempts that fail transiently (after doing their work).",
 )
 @click.option(
     "--poison/--no-poison",
@@ -60,12 +58,11 @@ from pipeline.tools.cli.options import (
 )
 @processes_option(2, "Worker processes.")
 @threads_option(4, "Threads per worker process.")
-@click.option(
+@seconds_option(
     "--timeout",
-    type=click.FloatRange(min=1),
-    default=90.0,
-    show_default=True,
-    help="Seconds to wait for every order to finish before reporting a failure.",
+    90.0,
+    "Seconds to wait for every order to finish before reporting a failure.",
+    minimum=1,
 )
 @click.option(
     "--external",

@@ -6,10 +6,12 @@ from __future__ import annotations
 import click
 
 from pipeline.tools.cli.options import (
+    count_option,
     events_option,
     json_option,
     processes_option,
     rate_option,
+    seconds_option,
     seed_option,
     server_url_options,
     threads_option,
@@ -33,22 +35,17 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "Orders to place; each makes three events (order.placed, payment.charged, "
     "order.shipped) and four deliveries.",
 )
-@click.option(
-    "--faults",
-    type=click.IntRange(min=0),
-    default=13,
-    show_default=True,
-    help="Faults to inject; each selected kind at least once when there are enough.",
+@count_option(
+    "--faults", 13, "Faults to inject; each selected kind at least once when there are enough."
 )
 @seed_option("Seed of the orders and the fault schedule.")
 @rate_option(100.0, "Orders per second.")
 @click.option("--fault-kinds", callback=_kinds, default=None, help=FAULT_KINDS_HELP)
-@click.option(
+@seconds_option(
     "--recovery-timeout",
-    type=click.FloatRange(min=1),
-    default=120.0,
-    show_default=True,
-    help="Seconds after the last fault within which every delivery must be done.",
+    120.0,
+    "Seconds after the last fault within which every delivery must be done.",
+    minimum=1,
 )
 @server_url_options(
     database="Run against this Postgres (staging) instead of a throwaway one; the drill works in "
@@ -56,15 +53,13 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     redis="Run against this Redis instead of a throwaway one; the drill uses a key namespace "
     "of its own and never restarts this server.",
 )
-@click.option(
+@count_option(
     "--poison",
-    type=click.IntRange(min=0),
-    default=3,
-    show_default=True,
-    help="Poison orders to place on purpose (each must end as dead letters, nothing else).",
+    3,
+    "Poison orders to place on purpose (each must end as dead letters, nothing else).",
 )
-@click.option("--relays", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--workers", type=click.IntRange(min=1), default=2, show_default=True)
+@count_option("--relays", 2, minimum=1)
+@count_option("--workers", 2, minimum=1)
 @processes_option(1, "Dramatiq processes per worker.")
 @threads_option(4, "Threads per Dramatiq process.")
 @click.option(

@@ -90,42 +90,53 @@ def metrics_port_option(name: str, help: str) -> Callable[[F], F]:
     )
 
 
-def processes_option(
+def count_option(
+    flag: str,
     default: int,
     help: str | None = None,
     *,
+    minimum: int = 0,
     short: tuple[str, ...] = (),
 ) -> Callable[[F], F]:
+    """A whole number of things (processes, faults, dead letters), at least ``minimum``."""
     return click.option(
-        "--processes",
+        flag,
         *short,
-        type=click.IntRange(min=1),
+        type=click.IntRange(min=minimum),
         default=default,
         show_default=True,
         help=help,
     )
+
+
+def seconds_option(flag: str, default: float, help: str, *, minimum: float) -> Callable[[F], F]:
+    """A number of seconds (a timeout, an age), at least ``minimum``."""
+    return click.option(
+        flag, type=click.FloatRange(min=minimum), default=default, show_default=True, help=help
+    )
+
+
+def share_option(flag: str, name: str, default: float, help: str) -> Callable[[F], F]:
+    """A share from 0 to 1 (of events, of attempts)."""
+    return click.option(
+        flag, name, type=click.FloatRange(0, 1), default=default, show_default=True, help=help
+    )
+
+
+def processes_option(
+    default: int, help: str | None = None, *, short: tuple[str, ...] = ()
+) -> Callable[[F], F]:
+    return count_option("--processes", default, help, minimum=1, short=short)
 
 
 def threads_option(
-    default: int,
-    help: str | None = None,
-    *,
-    short: tuple[str, ...] = (),
+    default: int, help: str | None = None, *, short: tuple[str, ...] = ()
 ) -> Callable[[F], F]:
-    return click.option(
-        "--threads",
-        *short,
-        type=click.IntRange(min=1),
-        default=default,
-        show_default=True,
-        help=help,
-    )
+    return count_option("--threads", default, help, minimum=1, short=short)
 
 
 def events_option(default: int, help: str) -> Callable[[F], F]:
-    return click.option(
-        "--events", "-n", type=click.IntRange(min=1), default=default, show_default=True, help=help
-    )
+    return count_option("--events", default, help, minimum=1, short=("-n",))
 
 
 def seed_option(help: str) -> Callable[[F], F]:

@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import click
 
-from pipeline.tools.cli.options import apps_option, json_option, settings_of
+from pipeline.tools.cli.options import (
+    apps_option,
+    count_option,
+    json_option,
+    seconds_option,
+    settings_of,
+)
 
 
 @click.command()
 @json_option()
-@click.option(
+@seconds_option(
     "--max-pending-age",
-    type=click.FloatRange(min=0),
-    default=300.0,
-    show_default=True,
-    help="Unhealthy when the oldest unsent event is older than this many seconds.",
+    300.0,
+    "Unhealthy when the oldest unsent event is older than this many seconds.",
+    minimum=0,
 )
-@click.option(
-    "--max-dead-letters",
-    type=click.IntRange(min=0),
-    default=0,
-    show_default=True,
-    help="Unhealthy when more dead letters than this are waiting.",
-)
+@count_option("--max-dead-letters", 0, "Unhealthy when more dead letters than this are waiting.")
 @click.option(
     "--interval",
     default="5m",
