@@ -149,13 +149,17 @@ SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 TIME_SCALE = 30  # every `for:` and range window is this many times shorter in the test copy
 
 
-def _scaled(text: str, floor: int) -> str:
+def _scaled(text: str, floor: int, scale: int = TIME_SCALE) -> str:
     seconds = sum(int(n) * SECONDS[unit] for n, unit in DURATION.findall(text))
-    return f"{max(floor, seconds // TIME_SCALE)}s"
+    return f"{max(floor, seconds // scale)}s"
 
 
-def shortened_rules(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The rules with `for:` and range windows TIME_SCALE times shorter (test copy only)."""
+def shortened_rules(
+    groups: list[dict[str, Any]], for_scale: int = TIME_SCALE
+) -> list[dict[str, Any]]:
+    """The rules with range windows TIME_SCALE times shorter and `for:` ``for_scale`` times
+    shorter (test copy only). A shorter `for:` changes only how soon a pending alert fires:
+    which alerts go pending is the expressions' and windows' business."""
     copy = json.loads(json.dumps(groups))
     for group in copy:
         for rule in group["rules"]:
@@ -163,7 +167,7 @@ def shortened_rules(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 r"\[(\d+[smhd])\]", lambda m: f"[{_scaled(m.group(1), 10)}]", rule["expr"]
             )
             if "for" in rule:
-                rule["for"] = _scaled(rule["for"], 2)
+                rule["for"] = _scaled(rule["for"], 2, for_scale)
     return copy
 
 

@@ -4,8 +4,8 @@ One environment for the whole module: Postgres (a database of its own), a Redis 
 own (the test restarts it), a real ``pipeline relay`` and ``pipeline worker`` running
 ``tests.apps.ops_app`` under a steady load, and a real Prometheus (its own config, port
 and data directory) scraping both and evaluating a copy of the committed rules whose
-``for:`` durations and range windows are 30 times shorter (``shortened_rules``): the
-expressions, thresholds, labels and annotations are the committed ones.
+range windows are 30 times shorter and ``for:`` durations 60 times (``shortened_rules``):
+the expressions, thresholds, labels and annotations are the committed ones.
 
 The tests run in file order on that environment; each fault test restores what it broke.
 The two playbook tests run the runbook pages' ``sh step`` blocks verbatim, with the
@@ -58,6 +58,7 @@ APP = "tests.apps.ops_app"
 KIT = KitOptions()
 FIRE_TIMEOUT = 90.0  # seconds for an alert to fire once its fault is in place
 RESOLVE_TIMEOUT = 120.0
+FOR_SCALE = 60  # `for: 10m` waits 10 s: the alerts fire sooner, the same ones go pending
 
 
 class Load(threading.Thread):
@@ -208,7 +209,7 @@ def ops(
                 KIT.relay_job: f"127.0.0.1:{env.relay_port}",
                 KIT.worker_job: f"127.0.0.1:{env.worker_port}",
             },
-            shortened_rules(rule_groups()),
+            shortened_rules(rule_groups(), for_scale=FOR_SCALE),
         )
         env.prometheus.start()
         env.load = Load(engine)
@@ -221,8 +222,23 @@ def ops(
             ),
             timeout=120,
             interval=1,
+            alive=[env.relay, env.worker],
         )
-        time.sleep(20)  # a few rule evaluations over windows with data in them
+        # every rule evaluated over windows with data in them (the first tests assert this,
+        # and say what is missing if it never is)
+        with contextlib.suppress(AssertionError):
+            wait_until(
+                lambda: (
+                    not (
+                        unhealthy_rules(prometheus)
+                        or unproduced_records(prometheus)
+                        or empty_panels(prometheus)
+                    )
+                ),
+                timeout=120,
+                interval=1,
+                alive=[env.relay, env.worker],
+            )
         env.check_processes()
         yield env
     finally:
@@ -248,6 +264,32 @@ def prom(ops: Ops) -> Prometheus:
     return ops.prometheus
 
 
+def unhealthy_rules(prometheus: Prometheus) -> list[tuple[str, Any]]:
+    """Rules not yet evaluated, or whose evaluation failed (with the error)."""
+    return [(r["name"], r.get("lastError")) for r in prometheus.rules() if r["health"] != "ok"]
+
+
+def unproduced_records(prometheus: Prometheus) -> set[str]:
+    """Recording rules without a series, except the ratios of things that have not happened
+    (failures, duplicates, re-deliveries: no series until the first)."""
+    expected = {
+        r["record"]
+        for r in recording_rules()
+        if not re.search(r"failures|duplicates|redeliveries", r["record"])
+    }
+    return {name for name in expected if not prometheus.query(name)}
+
+
+def empty_panels(prometheus: Prometheus) -> list[tuple[str, str, str, list[float]]]:
+    """Dashboard panels whose query, with the variables at "All", has no finite sample."""
+    empty = []
+    for query in panel_queries():
+        values = [float(sample["value"][1]) for sample in prometheus.query(query.promql)]
+        if not any(math.isfinite(v) for v in values):
+            empty.append((query.dashboard, query.panel, query.expr, values))
+    return empty
+
+
 # -- normal operation ------------------------------------------------------------------------
 
 
@@ -258,25 +300,13 @@ def test_every_target_is_up_and_every_rule_evaluates(ops: Ops) -> None:
     rules = prom(ops).rules()
     expected = {r.get("alert") or r["record"] for r in alert_rules() + recording_rules()}
     assert {r["name"] for r in rules} == expected
-    unhealthy = [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"]
-    assert not unhealthy
-    recorded = {r["record"] for r in recording_rules()}
-    # every recording rule produced a series, except the ratios of things that have not
-    # happened (failures, duplicates, re-deliveries: no series until the first)
-    produced = {name for name in recorded if prom(ops).query(name)}
-    assert {
-        name for name in recorded if not re.search(r"failures|duplicates|redeliveries", name)
-    } <= produced
+    assert not unhealthy_rules(prom(ops))
+    assert not unproduced_records(prom(ops))
 
 
 def test_every_dashboard_panel_returns_data(ops: Ops) -> None:
     """Each panel's query, with the variables at "All", returns at least one finite sample."""
-    empty = []
-    for query in panel_queries():
-        result = prom(ops).query(query.promql)
-        values = [float(sample["value"][1]) for sample in result]
-        if not any(math.isfinite(v) for v in values):
-            empty.append((query.dashboard, query.panel, query.expr, values))
+    empty = empty_panels(prom(ops))
     assert not empty, "\n".join(map(str, empty))
 
 
