@@ -17,7 +17,12 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
+
+import pytest
 
 DEMO_TIMEOUT = 240
 
@@ -35,18 +40,9 @@ def clean_env() -> dict[str, str]:
     return env
 
 
-def test_demo_json_summary_holds_the_invariants():
-    result = subprocess.run(
-        demo_command("--events", "200", "--json"),
-        check=False,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=DEMO_TIMEOUT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = json.loads(result.stdout)  # stdout holds the JSON document and nothing else
-
+@pytest.mark.xdist_group("kept_demo")
+def test_demo_json_summary_holds_the_invariants(kept_demo: KeptDemo) -> None:
+    summary = kept_demo.summary  # stdout holds the JSON document and nothing else
     assert summary["ok"] is True, summary["failed_invariants"]
     assert all(value is True for value in summary["invariants"].values()), summary["invariants"]
     # charges equal orders: one charge per order, none for the poison order
@@ -137,24 +133,29 @@ def server_dirs(processes: set[tuple[int, int]]) -> set[Path]:
 
 
 class RunningDemo:
-    """``pipeline demo`` in the background, its stderr collected line by line."""
+    """``pipeline demo`` in the background, its stderr (and stdout if asked) collected."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, stdout: bool = False) -> None:
         self.process = subprocess.Popen(
             demo_command(*args),
             env=clean_env(),
-            stdout=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
-        assert self.process.stderr is not None
-        stderr = self.process.stderr
-        self.reader = threading.Thread(
-            target=lambda: [self.lines.put(line) for line in stderr], daemon=True
-        )
-        self.reader.start()
+        self.out_lines: queue.Queue[str] = queue.Queue()
+        self.readers = [self._read(self.process.stderr, self.lines)]
+        if stdout:
+            self.readers.append(self._read(self.process.stdout, self.out_lines))
+
+    @staticmethod
+    def _read(stream: IO[str] | None, into: queue.Queue[str]) -> threading.Thread:
+        assert stream is not None
+        reader = threading.Thread(target=lambda: [into.put(line) for line in stream], daemon=True)
+        reader.start()
+        return reader
 
     def wait_for(self, text: str, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -163,6 +164,13 @@ class RunningDemo:
             assert time.monotonic() < deadline, f"the demo never said {text!r}: {self.output()}"
             with contextlib.suppress(queue.Empty):
                 self.seen.append(self.lines.get(timeout=1))
+
+    def stdout_document(self) -> str:
+        """Everything on stdout up to the end of the indented JSON document (a lone ``}``)."""
+        lines: list[str] = []
+        while not lines or lines[-1] != "}\n":
+            lines.append(self.out_lines.get(timeout=10))
+        return "".join(lines)
 
     def log_dir(self) -> Path:
         return next(
@@ -178,7 +186,29 @@ class RunningDemo:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-        self.reader.join(timeout=5)
+        for reader in self.readers:
+            reader.join(timeout=5)
+
+
+@dataclass
+class KeptDemo:
+    demo: RunningDemo
+    summary: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def kept_demo() -> Iterator[KeptDemo]:
+    """One ``pipeline demo --json --keep-running`` whose summary and set-up two tests read.
+
+    Its summary (the run) and its Prometheus set-up (what it leaves up afterwards) are two
+    different things of one run, so they share it: a demo run is the expensive part.
+    """
+    demo = RunningDemo("--events", "200", "--json", "--keep-running", stdout=True)
+    try:
+        demo.wait_for("--config.file=", timeout=DEMO_TIMEOUT)
+        yield KeptDemo(demo, json.loads(demo.stdout_document()))
+    finally:
+        demo.finish()
 
 
 def wait_gone(
@@ -311,30 +341,18 @@ def test_payment_api_honours_idempotency_keys_like_stripe():
         api.stop()
 
 
-def test_keep_running_writes_a_prometheus_config_that_scrapes_the_demo(tmp_path):
-    """The printed command starts a real Prometheus that scrapes both endpoints up."""
+@pytest.mark.xdist_group("kept_demo")
+def test_keep_running_writes_a_prometheus_config_that_scrapes_the_demo(
+    kept_demo: KeptDemo, tmp_path: Path
+) -> None:
+    """The printed command starts a real Prometheus that scrapes both endpoints up; Ctrl-C
+    then ends ``--keep-running`` cleanly, with nothing more on stdout than the summary."""
     from tests.opskit_support import Prometheus, tool
 
-    demo = subprocess.Popen(
-        demo_command("--events", "20", "--keep-running"),
-        env=clean_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    reader = threading.Thread(target=lambda: [lines.put(line) for line in demo.stderr], daemon=True)
-    reader.start()
-    seen: list[str] = []
+    demo = kept_demo.demo
     prometheus = None
     try:
-        deadline = time.monotonic() + DEMO_TIMEOUT
-        while not any("--config.file=" in line for line in seen):
-            assert demo.poll() is None, "".join(seen)
-            assert time.monotonic() < deadline, "".join(seen)
-            with contextlib.suppress(queue.Empty):
-                seen.append(lines.get(timeout=1))
-        [command] = [line for line in seen if "start it: prometheus" in line]
+        [command] = [line for line in demo.seen if "start it: prometheus" in line]
         config = Path(re.search(r"--config.file=(\S+)", command).group(1))
         checked = subprocess.run(
             [tool("promtool"), "check", "config", str(config)],
@@ -354,15 +372,14 @@ def test_keep_running_writes_a_prometheus_config_that_scrapes_the_demo(tmp_path)
         runbook = alerting[0]["annotations"]["runbook_url"]
         assert runbook.startswith("file://") and runbook.endswith(".md")
         assert Path(runbook.removeprefix("file://")).is_file()
-        demo.send_signal(signal.SIGINT)
-        code = demo.wait(timeout=60)
+        demo.process.send_signal(signal.SIGINT)
+        code = demo.process.wait(timeout=60)
     finally:
         if prometheus is not None:
             prometheus.stop()
-        if demo.poll() is None:
-            demo.kill()
-            demo.wait()
-    assert code == 0, "".join(seen)
+        demo.finish()
+    assert code == 0, demo.output()
+    assert demo.out_lines.empty()  # stdout held the JSON summary and nothing else
 
 
 def wait_until_up(prometheus) -> set[str]:
