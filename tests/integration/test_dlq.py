@@ -13,36 +13,31 @@ from __future__ import annotations
 
 import getpass
 import json
-import subprocess
-import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import psycopg
 import pytest
-from click.testing import CliRunner
 from psycopg import sql
 from sqlalchemy import text
 
 from pipeline import NewEvent, Settings, configure
 from pipeline.inbox.idempotency import idempotency_key
 from pipeline.registry import Registry
-from pipeline.registry import registry as global_registry
 from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
-from pipeline.tools.cli import cli
 from pipeline.tools.harness.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
 from tests.support import (
-    app_registry,
+    Ran,
     multiprocess_metric,
     pipeline_env,
     produce,
     queue_messages,
+    run_cli,
+    run_cli_process,
     running_pipeline,
     start_relay,
     start_worker,
@@ -75,58 +70,14 @@ def dlq_settings(settings: Settings, engine) -> Iterator[Settings]:
     configure(settings)
 
 
-@dataclass
-class Ran:
-    """How a ``pipeline dlq`` run ended: exit code and what it printed on each stream."""
-
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@contextmanager
-def app_consumers_registered() -> Iterator[None]:
-    """The test app's consumers in the process-wide registry for one in-process command.
-
-    The CLI finds consumers by importing ``PIPELINE_APP_MODULES`` into the process-wide
-    registry, as in a process of its own; the in-process worker keeps them in a registry of
-    their own (:func:`tests.support.app_registry`), so they are lent back for the command.
-    """
-    present = {s.consumer for s in global_registry.all()}
-    lent = [s for s in app_registry(APP).all() if s.consumer not in present]
-    for subscription in lent:
-        global_registry.add(subscription)
-    try:
-        yield
-    finally:
-        for subscription in lent:
-            global_registry.remove(subscription.consumer)
-
-
 def dlq(settings: Settings, *args: str, **env: str) -> Ran:
     """``pipeline dlq ARGS`` in this process, with the settings as PIPELINE_* variables."""
-    with app_consumers_registered():
-        result = CliRunner().invoke(
-            cli,
-            ["dlq", *args],
-            env=pipeline_env(settings, APP, **env),
-            prog_name="pipeline",
-            catch_exceptions=False,
-        )
-    return Ran(result.exit_code, result.stdout, result.stderr)
+    return run_cli(["dlq", *args], pipeline_env(settings, APP, **env))
 
 
 def dlq_process(settings: Settings, *args: str, **env: str) -> Ran:
-    """``python -m pipeline.tools.cli dlq ARGS`` in a child process: the end-to-end check."""
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "dlq", *args],
-        check=False,
-        env=pipeline_env(settings, APP, **env),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    return Ran(done.returncode, done.stdout, done.stderr)
+    """``pipeline dlq ARGS`` in a child process: the end-to-end check."""
+    return run_cli_process(["dlq", *args], pipeline_env(settings, APP, **env))
 
 
 def dlq_json(settings: Settings, *args: str, **env: str) -> Any:
