@@ -12,7 +12,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -134,20 +135,46 @@ _APP_REGISTRIES: dict[str, Registry] = {}
 def app_registry(module: str) -> Registry:
     """The consumers that test app ``module`` registers, in a registry of their own.
 
-    Importing the module registers its consumers in the process-wide registry; they are
-    moved out of it on first use (the import is cached, so once per process), so an
-    in-process worker runs exactly the app's consumers and later tests do not see them.
+    Importing the module registers its consumers (and routes without a handler) in the
+    process-wide registry; they are moved out of it on first use (the import is cached, so
+    once per process), so an in-process worker runs exactly the app's consumers and later
+    tests do not see them.
     """
     if module not in _APP_REGISTRIES:
+        before = {subscription.consumer for subscription in global_registry.all()}
         importlib.import_module(module)
         private = Registry()
         for subscription in global_registry.all():
             function = getattr(subscription.handler, "function", None)
-            if function is not None and function.__module__ == module:
+            if subscription.consumer not in before or (
+                function is not None and function.__module__ == module
+            ):
                 private.add(subscription)
                 global_registry.remove(subscription.consumer)
         _APP_REGISTRIES[module] = private
     return _APP_REGISTRIES[module]
+
+
+@contextmanager
+def app_in_global_registry(module: str) -> Iterator[None]:
+    """Test app ``module``'s consumers in the process-wide registry, for one CLI command.
+
+    A command run in this process (click's ``CliRunner``) finds consumers as in a process
+    of its own, by importing ``PIPELINE_APP_MODULES`` into the process-wide registry; the
+    import is cached, so they are lent from :func:`app_registry` instead. Whatever is in
+    the registry afterwards that was not before is removed, so one test's app never meets
+    another's consumer of the same name.
+    """
+    before = {subscription.consumer for subscription in global_registry.all()}
+    for subscription in app_registry(module).all():
+        if subscription.consumer not in before:
+            global_registry.add(subscription)
+    try:
+        yield
+    finally:
+        for subscription in global_registry.all():
+            if subscription.consumer not in before:
+                global_registry.remove(subscription.consumer)
 
 
 @contextmanager
@@ -179,6 +206,48 @@ def running_pipeline(
             yield runtime
     finally:
         runtime.close()
+
+
+@dataclass
+class Ran:
+    """How a ``pipeline`` command ended: its exit code and what it printed on each stream."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_cli(args: Sequence[str], env: dict[str, str]) -> Ran:
+    """``pipeline ARGS`` in this process (click's ``CliRunner``) with ``env`` set meanwhile.
+
+    The same group, exit codes and one-line errors as the console script, without an
+    interpreter start; the test apps in ``PIPELINE_APP_MODULES`` are lent to the
+    process-wide registry for the command (:func:`app_in_global_registry`).
+    """
+    from click.testing import CliRunner
+
+    from pipeline.tools.cli import cli
+
+    with ExitStack() as stack:
+        for module in filter(None, env.get("PIPELINE_APP_MODULES", "").split(",")):
+            stack.enter_context(app_in_global_registry(module.strip()))
+        result = CliRunner().invoke(
+            cli, list(args), env=env, prog_name="pipeline", catch_exceptions=False
+        )
+    return Ran(result.exit_code, result.stdout, result.stderr)
+
+
+def run_cli_process(args: Sequence[str], env: dict[str, str], timeout: float = 120) -> Ran:
+    """``python -m pipeline.tools.cli ARGS`` in a child process: for end-to-end checks."""
+    done = subprocess.run(
+        [sys.executable, "-m", "pipeline.tools.cli", *args],
+        check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return Ran(done.returncode, done.stdout, done.stderr)
 
 
 FIELDS_FOR_SUBPROCESSES = (

@@ -220,6 +220,9 @@ class Relay:
                     )
                     self.stop.wait(delay)
         finally:
+            # A fatal error (a revoked grant) leaves without shutdown(): stop the listener
+            # and janitor too, or each join below waits its full timeout.
+            self.stop.set()
             self._forget()
             self._close_connection()
             if self.listener is not None:

@@ -1,13 +1,15 @@
 """Credentials never show: not in CLI output (text or JSON), logs, errors or exported spans.
 
-Every command runs as a real process with URLs that carry a password, against a
-server that is down, one that rejects the password, and one that accepts it.
+Every command runs with URLs that carry a password, against a server that is down, one
+that rejects the password, and one that accepts it. Relays and workers run as real
+processes (their logs are the subject); one-shot commands run in this process through
+click's ``CliRunner``, their log records checked too, and a few as real processes.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -26,7 +28,16 @@ from pipeline.runtime import build_runtime
 from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
 from tests.integration.conftest import drainer_for
 from tests.integration.test_observability import spans  # noqa: F401 - the fixture
-from tests.support import pipeline_env, produce, start_process, stop_process, wait_until
+from tests.support import (
+    Ran,
+    pipeline_env,
+    produce,
+    run_cli,
+    run_cli_process,
+    start_process,
+    stop_process,
+    wait_until,
+)
 
 SECRET = "s3cr3t-pw"
 REDIS_SECRET = "r3dis-pw"
@@ -52,18 +63,40 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run(env: dict[str, str], args: list[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+class _Keep(logging.Handler):
+    """Keeps every log record a command makes, formatted with its traceback."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record))
 
 
-def assert_refused_without_secrets(result: subprocess.CompletedProcess[str], *secrets: str) -> str:
+def run(env: dict[str, str], args: list[str]) -> Ran:
+    """``pipeline ARGS`` in this process (click's ``CliRunner``).
+
+    Its stdout and stderr are the command's; every log record it makes, at any level, is
+    checked for secrets too (a child process would print warnings and up; this sees more).
+    """
+    keep, root = _Keep(), logging.getLogger()
+    level = root.level
+    root.addHandler(keep)
+    root.setLevel(logging.DEBUG)
+    try:
+        ran = run_cli(args, env)
+    finally:
+        root.removeHandler(keep)
+        root.setLevel(level)
+    logged = "\n".join(keep.lines)
+    for secret in (SECRET, REDIS_SECRET, QUOTED):
+        assert secret not in logged, logged
+    return ran
+
+
+def assert_refused_without_secrets(result: Ran, *secrets: str) -> str:
     """Exit 1, one line on stderr, nothing on stdout, no traceback and no secret."""
     output = result.stdout + result.stderr
     for secret in secrets:
@@ -120,6 +153,18 @@ def test_an_unreachable_server_is_named_without_the_password(settings, args):
         PIPELINE_REDIS_URL=f"redis://:{REDIS_SECRET}@127.0.0.1:{free_port()}/0",
     )
     line = assert_refused_without_secrets(run(env, args), SECRET, REDIS_SECRET)
+    assert "Postgres at 127.0.0.1:" in line
+
+
+@pytest.mark.parametrize("args", [["status", "--json"], ["db", "upgrade"]], ids=" ".join)
+def test_a_real_process_names_an_unreachable_server_without_the_password(settings, args):
+    """End to end: what a shell sees of a child process, logging as the console script."""
+    env = env_for(
+        settings,
+        PIPELINE_DATABASE_URL=f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/x",
+        PIPELINE_REDIS_URL=f"redis://:{REDIS_SECRET}@127.0.0.1:{free_port()}/0",
+    )
+    line = assert_refused_without_secrets(run_cli_process(args, env), SECRET, REDIS_SECRET)
     assert "Postgres at 127.0.0.1:" in line
 
 

@@ -1,21 +1,21 @@
 """``pipeline dlq``: list, show, dry runs, replay of both stages, the sandbox, purge, audit.
 
-Dead letters are made the way production makes them: a relay and workers run as real
-processes (``pipeline relay`` / ``pipeline worker``) against real Postgres and Redis, a
-handler fails permanently until the test "deploys a fix" (tests/apps/dlq_app.py), and
-every command runs through the real CLI in a subprocess.
+Dead letters are made the way production makes them: a relay and a Dramatiq worker run
+against real Postgres and Redis, and a handler fails permanently until the test "deploys
+a fix" (tests/apps/dlq_app.py). They run in this process where the process is not the
+subject; the replays whose counts are read from multiprocess metrics run ``pipeline relay``
+and ``pipeline worker`` as real processes. Commands run through the real CLI in this
+process (click's ``CliRunner``: the same group, the same exit codes and one-line errors);
+a few run as ``python -m pipeline.tools.cli`` subprocesses, end to end.
 """
 
 from __future__ import annotations
 
 import getpass
 import json
-import subprocess
-import sys
 import uuid
 from collections import Counter
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -31,10 +31,14 @@ from pipeline.runtime import build_runtime
 from pipeline.tools.harness.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
 from tests.support import (
+    Ran,
     multiprocess_metric,
     pipeline_env,
     produce,
     queue_messages,
+    run_cli,
+    run_cli_process,
+    running_pipeline,
     start_relay,
     start_worker,
     stop_process,
@@ -66,15 +70,14 @@ def dlq_settings(settings: Settings, engine) -> Iterator[Settings]:
     configure(settings)
 
 
-def dlq(settings: Settings, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "dlq", *args],
-        check=False,
-        env=pipeline_env(settings, APP, **env),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def dlq(settings: Settings, *args: str, **env: str) -> Ran:
+    """``pipeline dlq ARGS`` in this process, with the settings as PIPELINE_* variables."""
+    return run_cli(["dlq", *args], pipeline_env(settings, APP, **env))
+
+
+def dlq_process(settings: Settings, *args: str, **env: str) -> Ran:
+    """``pipeline dlq ARGS`` in a child process: the end-to-end check."""
+    return run_cli_process(["dlq", *args], pipeline_env(settings, APP, **env))
 
 
 def dlq_json(settings: Settings, *args: str, **env: str) -> Any:
@@ -83,7 +86,7 @@ def dlq_json(settings: Settings, *args: str, **env: str) -> Any:
     return json.loads(result.stdout)
 
 
-def one_line_error(result: subprocess.CompletedProcess[str], code: int, expected: str) -> None:
+def one_line_error(result: Ran, code: int, expected: str) -> None:
     assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr
@@ -138,15 +141,14 @@ def set_broken(engine, broken: bool) -> None:
         conn.execute(text("UPDATE dlq_switches SET broken = :b"), {"b": broken})
 
 
-def orders_with_poison(engine, settings: Settings, tmp_path: Path) -> dict[str, uuid.UUID]:
-    """Six orders through a real relay and worker; payments dead-letters o1, o2 and o4.
+def orders_with_poison(engine, settings: Settings) -> dict[str, uuid.UUID]:
+    """Six orders through a relay and a worker (in this process); payments dead-letters
+    o1, o2 and o4.
 
     o1 and o2 share an ordering key. Returns order id -> event id.
     """
     poison = {"o1", "o2", "o4"}
-    relay = start_relay(settings, APP, tmp_path / "relay.log")
-    worker = start_worker(settings, APP, tmp_path / "worker.log", 1, 2)
-    try:
+    with running_pipeline(settings, APP, threads=2):
         names = [f"o{i}" for i in range(6)]
         events = [
             NewEvent(
@@ -166,9 +168,6 @@ def orders_with_poison(engine, settings: Settings, tmp_path: Path) -> dict[str, 
             ),
             timeout=60,
         )
-    finally:
-        stop_process(worker)
-        stop_process(relay)
     assert effects(engine, "payments") == Counter({o: 1 for o in names if o not in poison})
     return ids
 
@@ -176,7 +175,7 @@ def orders_with_poison(engine, settings: Settings, tmp_path: Path) -> dict[str, 
 def test_dry_run_changes_nothing_then_replay_reaches_only_that_consumer(
     engine, dlq_settings, tmp_path
 ):
-    ids = orders_with_poison(engine, dlq_settings, tmp_path)
+    ids = orders_with_poison(engine, dlq_settings)
     listed = dlq_json(dlq_settings, "list", "--consumer", "payments")
     assert sorted(d["event_id"] for d in listed) == sorted(str(ids[o]) for o in ("o1", "o2", "o4"))
     assert {d["error_class"] for d in listed} == {"Poison"}
@@ -275,20 +274,17 @@ def test_dry_run_changes_nothing_then_replay_reaches_only_that_consumer(
     assert again["results"][0]["detail"].startswith("already replayed at")
 
 
-def test_replayed_event_that_fails_again_is_a_new_dead_letter(engine, dlq_settings, tmp_path):
-    ids = orders_with_poison(engine, dlq_settings, tmp_path)
+def test_replayed_event_that_fails_again_is_a_new_dead_letter(engine, dlq_settings):
+    ids = orders_with_poison(engine, dlq_settings)
     replayed = dlq_json(
         dlq_settings, "replay", "--event-id", str(ids["o4"]), "--reason", "try without fix"
     )
     assert replayed["replayed"] == 1
-    worker = start_worker(dlq_settings, APP, tmp_path / "worker2.log", 1, 1)
-    try:
+    with running_pipeline(dlq_settings, APP, threads=1):
         wait_until(
             lambda: rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0] == 4,
             timeout=60,
         )
-    finally:
-        stop_process(worker)
     letters = rows(
         engine,
         "SELECT replay_count, replayed_at IS NOT NULL FROM pipeline.dead_letters"
@@ -354,11 +350,8 @@ def test_publish_stage_replay_is_published_consumed_and_deduplicated(
     dead = dlq_json(dlq_settings, "list", "--stage", "publish")
     assert [d["event_id"] for d in dead] == [str(ids[o]) for o in names]
     assert {d["outbox_status"] for d in dead} == {"dead"}
-    worker = start_worker(dlq_settings, APP, tmp_path / "worker.log", 1, 2)
-    try:
+    with running_pipeline(dlq_settings, APP, threads=2):
         wait_until(lambda: sum(effects(engine, "audit").values()) == 3, timeout=60)
-    finally:
-        stop_process(worker)
 
     before = checksums(dlq_settings)
     plan = dlq_json(dlq_settings, "replay", "--stage", "publish", "--dry-run", "--reason", "r")
@@ -418,14 +411,15 @@ def test_publish_stage_replay_is_published_consumed_and_deduplicated(
 
 
 def test_sandbox_reports_the_handler_and_leaves_everything_unchanged(
-    engine, dlq_settings, tmp_path
+    engine, dlq_settings, monkeypatch
 ):
     api = PaymentServer().start()
     try:
+        # the app reads TEST_PAYMENT_API at import: a child process gets it in its
+        # environment, this process (worker and in-process commands) in the module
         env = {"TEST_PAYMENT_API": api.url}
-        relay = start_relay(dlq_settings, APP, tmp_path / "relay.log")
-        worker = start_worker(dlq_settings, APP, tmp_path / "worker.log", 1, 1, **env)
-        try:
+        monkeypatch.setattr("tests.apps.dlq_app.PAYMENT_API", api.url)
+        with running_pipeline(dlq_settings, APP, threads=1):
             (poison_id,) = produce(
                 engine, [NewEvent("order.placed", {"order_id": "s1", "poison": True})]
             )
@@ -433,9 +427,7 @@ def test_sandbox_reports_the_handler_and_leaves_everything_unchanged(
                 lambda: rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0] == 1,
                 timeout=60,
             )
-        finally:
-            stop_process(worker)
-            stop_process(relay)
+        assert len(api.ledger.snapshot()["charges"]) == 1  # the worker did call the API
         ledger_before = api.ledger.snapshot()
         before = checksums(dlq_settings, skip=["audit_log"])
         key = idempotency_key("payments", poison_id)
@@ -457,7 +449,7 @@ def test_sandbox_reports_the_handler_and_leaves_everything_unchanged(
         assert outcome["external_calls"] == [
             {"method": "POST", "url": f"{api.url}/v1/charges", "idempotency_key": key}
         ]
-        text_run = dlq(dlq_settings, "replay", "--to-sandbox", "--reason", "again", **env)
+        text_run = dlq_process(dlq_settings, "replay", "--to-sandbox", "--reason", "again", **env)
         assert text_run.returncode == 0, text_run.stderr
         assert "would publish payment.charged" in text_run.stdout
         assert f"would call POST {api.url}/v1/charges (Idempotency-Key {key}; not sent)" in (
@@ -622,6 +614,9 @@ def test_purge_needs_a_scope_deletes_only_dead_letters_and_is_audited(engine, dl
 
 
 def test_bad_arguments_and_unknown_ids_are_one_line(dlq_settings):
+    # one of each kind as a real process: exit code and stderr as a shell sees them
+    one_line_error(dlq_process(dlq_settings, "show", "999999"), 1, "no dead letter #999999")
+    one_line_error(dlq_process(dlq_settings, "show", "abc"), 2, "'abc' is not a valid integer")
     one_line_error(dlq(dlq_settings, "show", "999999"), 1, "no dead letter #999999")
     one_line_error(dlq(dlq_settings, "show", "abc"), 2, "'abc' is not a valid integer")
     one_line_error(

@@ -1,6 +1,8 @@
 """Observability: spans across producer → relay → consumer, metrics endpoints, `pipeline status`.
 
-Real Postgres and Redis (fixtures), real relay and worker processes for the endpoints.
+Real Postgres and Redis (fixtures), real relay and worker processes for the endpoints and
+the OTLP export; ``pipeline status`` and ``pipeline trace`` run in this process (click's
+``CliRunner``), and once as a real process.
 """
 
 from __future__ import annotations
@@ -33,11 +35,14 @@ from pipeline.transport.publisher import Delivery, PermanentPublishError
 from tests.integration.conftest import drainer_for
 from tests.support import (
     ROOT,
+    Ran,
     otlp_attributes,
     pipeline_env,
     produce,
     queue_envelopes,
     queue_messages,
+    run_cli,
+    run_cli_process,
     start_process,
     start_worker,
     stop_process,
@@ -378,14 +383,7 @@ def test_a_workflow_from_a_producer_without_opentelemetry_is_one_trace(
     exported = spans.get_finished_spans()
     trace_id = assert_one_trace_per_workflow(exported, engine)
     assert not by_name(exported, "create order.placed")  # the producer recorded nothing
-    shown = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "trace", placed[0], "--json"],
-        env=pipeline_env(relay_settings, APP),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    shown = run_cli(["trace", placed[0], "--json"], pipeline_env(relay_settings, APP))
     assert shown.returncode == 0, shown.stderr
     lineage = json.loads(shown.stdout)
     assert lineage["trace_id"] == f"{trace_id:032x}"
@@ -892,15 +890,9 @@ def test_prepare_multiprocess_dir_cleans_only_stale_metric_files(settings, tmp_p
 # -- pipeline status -------------------------------------------------------------------------
 
 
-def run_status(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "status", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+def run_status(env: dict[str, str], *args: str) -> Ran:
+    """``pipeline status ARGS`` in this process (the command, not its process, is tested)."""
+    return run_cli(["status", *args], env)
 
 
 def test_status_json_reports_state_and_exit_codes(engine, runtime, settings):
@@ -960,14 +952,8 @@ def test_status_json_reports_state_and_exit_codes(engine, runtime, settings):
     (problem,) = [p for p in report["problems"] if "dead letters" in p]
     command = problem.split("`")[1]
     assert command == "pipeline dlq list --waiting"
-    listed = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", *command.split()[1:], "--json"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    listed = run_cli([*command.split()[1:], "--json"], env)
+    assert listed.returncode == 0, listed.stderr
     assert [(d["stage"], d["error_class"]) for d in json.loads(listed.stdout)] == [
         ("publish", "PermanentPublishError")
     ]
@@ -980,7 +966,7 @@ def test_status_json_reports_state_and_exit_codes(engine, runtime, settings):
 def test_status_names_an_unreachable_database_in_one_line_without_its_password(settings):
     env = pipeline_env(settings, APP)
     env["PIPELINE_DATABASE_URL"] = f"postgresql://app:S3cretPassw0rd@127.0.0.1:{free_port()}/db"
-    result = run_status(env, "--json")
+    result = run_cli_process(["status", "--json"], env)  # end to end: what a shell sees
     assert result.returncode == 1
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()

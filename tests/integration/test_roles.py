@@ -1,7 +1,7 @@
 """Least-privilege roles: the SQL in docs/security.md is what these tests run.
 
 Each test gets a fresh database with the page's hardening applied (no CONNECT or TEMP
-for PUBLIC), an owner that installs the schema with a real ``pipeline db upgrade``,
+for PUBLIC), an owner that installs the schema with ``pipeline db upgrade`` (in process),
 and the page's roles under a name prefix of its own (roles are cluster-wide on a
 shared server; they are dropped afterwards). Then each role works with exactly its
 grants, and without any one of them fails with one clear line.
@@ -10,7 +10,6 @@ grants, and without any one of them fails with one clear line.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -28,7 +27,17 @@ from pipeline.db.privileges import dlq_grants, missing_privileges, relay_grants,
 from pipeline.errors import ServiceUnavailableError
 from pipeline.tools.cli import main as cli_main
 from tests.conftest import create_database, drop_database
-from tests.support import ROOT, pipeline_env, start_process, stop_process, wait_until
+from tests.support import (
+    ROOT,
+    Ran,
+    app_in_global_registry,
+    pipeline_env,
+    run_cli,
+    run_cli_process,
+    start_process,
+    stop_process,
+    wait_until,
+)
 
 DOC = ROOT / "docs" / "security.md"
 APP = "tests.apps.roles_app"
@@ -153,19 +162,6 @@ class Deployment:
         )
 
 
-def run_cli(
-    env: dict[str, str], *args: str, timeout: float = 60
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
 @pytest.fixture
 def deployment(
     postgres_server_url: str, redis_server_url: str, redis_namespace: str
@@ -177,7 +173,7 @@ def deployment(
     try:
         setup.admin(setup.render(hardening_block()))
         setup.admin(setup.render(block_for("owner")))
-        upgrade = run_cli(setup.env("owner"), "db", "upgrade")
+        upgrade = run_cli(["db", "upgrade"], setup.env("owner"))  # in this process
         assert upgrade.returncode == 0, upgrade.stderr
         for role in ROLES[1:]:
             setup.admin(setup.render(block_for(role)))
@@ -441,7 +437,7 @@ def test_every_documented_relay_and_worker_grant_is_checked_at_start_up(deployme
                 )
 
 
-def assert_one_line(result: subprocess.CompletedProcess[str], line: str) -> None:
+def assert_one_line(result: Ran, line: str) -> None:
     output = (result.stdout + result.stderr).strip()
     assert result.returncode == 1, output
     assert "Traceback" not in output
@@ -450,7 +446,7 @@ def assert_one_line(result: subprocess.CompletedProcess[str], line: str) -> None
 
 def test_a_relay_without_update_on_the_outbox_refuses_to_start(deployment):
     deployment.admin(deployment.render("REVOKE UPDATE ON pipeline.outbox FROM pipeline_relay"))
-    result = run_cli(deployment.env("relay"), "relay")
+    result = run_cli_process(["relay"], deployment.env("relay"))
     assert_one_line(
         result,
         f"pipeline: error: permission denied: the database role {deployment.role('relay')!r} "
@@ -462,7 +458,7 @@ def test_a_relay_without_update_on_the_outbox_refuses_to_start(deployment):
 def test_a_worker_without_insert_on_the_inbox_or_attempts_refuses_to_start(deployment):
     deployment.admin(deployment.render("REVOKE INSERT ON pipeline.inbox FROM pipeline_worker"))
     deployment.admin(deployment.render("REVOKE INSERT ON pipeline.attempts FROM pipeline_worker"))
-    result = run_cli(deployment.env("worker"), "worker")
+    result = run_cli_process(["worker"], deployment.env("worker"))
     assert_one_line(
         result,
         f"pipeline: error: permission denied: the database role {deployment.role('worker')!r} "
@@ -518,7 +514,7 @@ def run_in_process(
     for name, value in deployment.env(role).items():
         if name.startswith("PIPELINE_"):
             monkeypatch.setenv(name, value)
-    with pytest.raises(SystemExit) as exited:
+    with pytest.raises(SystemExit) as exited, app_in_global_registry(APP):
         cli_main(args)
     captured = capsys.readouterr()
     return int(exited.value.code or 0), captured.out, captured.err
