@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
 
 import pytest
-from click.testing import CliRunner
 from sqlalchemy import text
 
 from pipeline import NewEvent, Settings, configure
-from pipeline.tools.cli import cli
 from pipeline.tools.harness.embedded import EmbeddedRedis
 from tests.support import (
     pipeline_env,
     produce,
+    run_cli,
     soak,
     start_relay,
     start_worker,
@@ -88,13 +85,7 @@ def assert_each_stage_once(engine, orders: list[str]) -> None:
 
 
 def status_json(settings: Settings) -> tuple[int, dict]:
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "status", "--json"],
-        env=pipeline_env(settings, APP),
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_cli(["status", "--json"], pipeline_env(settings, APP))
     return done.returncode, json.loads(done.stdout)
 
 
@@ -180,10 +171,8 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
         owed = f"{len(orders)} deliveries to payments"
         assert any(owed in p for p in status["problems"]), status
         event_id = scalar(engine, "SELECT id FROM pipeline.outbox ORDER BY seq LIMIT 1")
-        # In this process: `trace` imports no app and starts nothing.
-        env = {k: v for k, v in pipeline_env(settings, APP).items() if k.startswith("PIPELINE_")}
-        traced = CliRunner().invoke(cli, ["trace", str(event_id), "--json"], env=env)
-        assert traced.exit_code == 0, traced.output
+        traced = run_cli(["trace", str(event_id), "--json"], pipeline_env(settings, APP))
+        assert traced.returncode == 0, traced.stderr
         (payments,) = json.loads(traced.stdout)["deliveries"]
         assert (payments["consumer"], payments["status"], payments["owed"]) == (
             "payments",

@@ -20,19 +20,19 @@ from pathlib import Path
 import psycopg
 import pytest
 import redis
-from click.testing import CliRunner, Result
 from sqlalchemy import create_engine, text
 
 from pipeline import NewEvent, Settings, configure
 from pipeline.db.migrate import upgrade
-from pipeline.tools.cli import cli
 from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
 from tests.conftest import create_database
 from tests.support import (
+    Ran,
     log_size,
     pipeline_env,
     produce,
     queue_envelopes,
+    run_cli,
     start_process,
     stop_process,
     wait_until,
@@ -172,14 +172,9 @@ def test_a_redis_refusing_writes_releases_claims_at_once_and_counts_no_attempt(
         server.cleanup()
 
 
-def run_cli(settings: Settings, *args: str) -> Result:
-    """``pipeline ARGS`` in this process: these commands import no app, start nothing."""
-    env = {
-        k: v
-        for k, v in pipeline_env(settings, INBOX_APP, **QUIET).items()
-        if k.startswith("PIPELINE_")
-    }
-    return CliRunner().invoke(cli, list(args), env=env, prog_name="pipeline")
+def cli(settings: Settings, *args: str) -> Ran:
+    """``pipeline ARGS`` in this process: these commands start nothing."""
+    return run_cli(args, pipeline_env(settings, INBOX_APP, **QUIET))
 
 
 def test_relay_worker_and_trace_started_before_the_schema_exists(
@@ -193,8 +188,8 @@ def test_relay_worker_and_trace_started_before_the_schema_exists(
             "CREATE TABLE effects (id bigserial PRIMARY KEY, stage text NOT NULL,"
             " order_id text NOT NULL, event_id uuid NOT NULL)"
         )
-    traced = run_cli(fresh, "trace", str(uuid.uuid4()))
-    assert traced.exit_code == 1, traced.output
+    traced = cli(fresh, "trace", str(uuid.uuid4()))
+    assert traced.returncode == 1, traced.stdout
     assert traced.stderr.strip().splitlines() == [
         "pipeline: error: the pipeline schema 'pipeline' is not installed: "
         "run `pipeline db upgrade`"
@@ -208,8 +203,8 @@ def test_relay_worker_and_trace_started_before_the_schema_exists(
             assert all("pipeline db upgrade" in line for line in found), found
             assert_backoff_steps(found)
         assert [p.poll() for p in processes] == [None, None]
-        upgraded = run_cli(fresh, "db", "upgrade")
-        assert upgraded.exit_code == 0, upgraded.output
+        upgraded = cli(fresh, "db", "upgrade")
+        assert upgraded.returncode == 0, upgraded.stderr
         produce(engine, [NewEvent("entry.booked", {"order_id": "o1"})])
         wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, timeout=90)
     finally:
