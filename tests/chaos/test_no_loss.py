@@ -7,8 +7,7 @@ middle of handlers, and a Redis that forgets everything it carried.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import signal
 import threading
 import time
 from collections import Counter
@@ -21,6 +20,7 @@ from pipeline.tools.harness.embedded import EmbeddedRedis
 from tests.support import (
     pipeline_env,
     produce,
+    run_cli,
     soak,
     start_relay,
     start_worker,
@@ -85,13 +85,7 @@ def assert_each_stage_once(engine, orders: list[str]) -> None:
 
 
 def status_json(settings: Settings) -> tuple[int, dict]:
-    done = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "status", "--json"],
-        env=pipeline_env(settings, APP),
-        capture_output=True,
-        timeout=60,
-        check=False,
-    )
+    done = run_cli(["status", "--json"], pipeline_env(settings, APP))
     return done.returncode, json.loads(done.stdout)
 
 
@@ -177,13 +171,8 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
         owed = f"{len(orders)} deliveries to payments"
         assert any(owed in p for p in status["problems"]), status
         event_id = scalar(engine, "SELECT id FROM pipeline.outbox ORDER BY seq LIMIT 1")
-        traced = subprocess.run(
-            [sys.executable, "-m", "pipeline.tools.cli", "trace", str(event_id), "--json"],
-            env=pipeline_env(settings, APP),
-            capture_output=True,
-            timeout=60,
-            check=True,
-        )
+        traced = run_cli(["trace", str(event_id), "--json"], pipeline_env(settings, APP))
+        assert traced.returncode == 0, traced.stderr
         (payments,) = json.loads(traced.stdout)["deliveries"]
         assert (payments["consumer"], payments["status"], payments["owed"]) == (
             "payments",
@@ -244,7 +233,9 @@ def test_an_ordered_key_whose_events_redis_forgot_resumes_in_order(
         try:
             produce(engine, steps(0, 5), per_transaction=20)
             wait_until(lambda: scalar(engine, "SELECT count(*) FROM seq_log") == 100, timeout=60)
-            stop_process(workers)
+            # Idle (steps 5-9 are not produced yet) and Redis is emptied below: nothing a
+            # graceful stop would finish or hand back, so no need to wait for one.
+            stop_process(workers, signal.SIGKILL)
             produce(engine, steps(5, 10), per_transaction=20)
             wait_until(
                 lambda: (

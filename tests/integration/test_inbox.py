@@ -28,9 +28,11 @@ from pipeline.transport.publisher import Delivery
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
 from pipeline.transport.redis.keys import messages_key, queue_key
 from tests.support import (
+    app_registry,
     multiprocess_metric,
     produce,
     running_pipeline,
+    running_worker,
     soak,
     start_worker,
     stop_process,
@@ -178,6 +180,8 @@ def test_retried_handler_commits_rows_once_and_charges_once(engine, inbox_settin
 
 
 def test_worker_killed_mid_handler_processes_the_event_once(engine, inbox_settings, tmp_path):
+    # The killed worker's message goes back to the queue once its heartbeat is this old.
+    inbox_settings = inbox_settings.replace(broker_heartbeat_timeout_ms=1000)
     blocker = psycopg.connect(inbox_settings.require_database_url())
     blocker.execute("SELECT pg_advisory_lock(42)")  # the slow handler will wait on it
     produce(engine, [NewEvent("entry.booked", {"order_id": "k1", "slow": 0.1})])
@@ -282,7 +286,7 @@ def test_ordered_consumer_processes_each_key_in_sequence(engine, inbox_settings,
         assert ns == list(range(steps)), f"{key} processed out of order: {ns[:20]}"
 
 
-def test_garbage_and_unknown_consumer_messages_are_dead_lettered(engine, inbox_settings, tmp_path):
+def test_garbage_and_unknown_consumer_messages_are_dead_lettered(engine, inbox_settings):
     client = redis.Redis.from_url(inbox_settings.require_redis_url())
     ns, queue = inbox_settings.redis_namespace, "pipeline.ledger"
     bodies, ids = messages_key(ns, queue), queue_key(ns, queue)
@@ -308,15 +312,19 @@ def test_garbage_and_unknown_consumer_messages_are_dead_lettered(engine, inbox_s
     )
     client.hset(bodies, "bad-1", json.dumps(bad_args))
     client.rpush(ids, "bad-1")
-    worker = start_worker(inbox_settings, APP, tmp_path / "worker.log", 1, 2)
+    runtime = build_runtime(inbox_settings, app_registry(APP), set_global_broker=False)
     try:
-        wait_until(lambda: scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 3, 30)
-        produce(engine, [NewEvent("entry.booked", {"order_id": "after-garbage"})])
-        publish_repeated(inbox_settings, times=1)
-        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, timeout=30)
-        assert worker.poll() is None  # still running
+        with running_worker(runtime, threads=2) as worker:
+            wait_until(
+                lambda: scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 3, 30
+            )
+            produce(engine, [NewEvent("entry.booked", {"order_id": "after-garbage"})])
+            publish_repeated(inbox_settings, times=1)
+            wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, timeout=30)
+            threads = [*worker.consumers.values(), *worker.workers]
+            assert all(thread.is_alive() for thread in threads)  # still consuming
     finally:
-        stop_process(worker)
+        runtime.close()
         client.close()
     with engine.connect() as conn:
         reasons = [
