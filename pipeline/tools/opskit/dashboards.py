@@ -213,7 +213,7 @@ def overview(o: KitOptions) -> Json:
             timeseries(
                 "Queue depth",
                 "Dramatiq messages waiting per queue (each carries a run of events); "
-                "'.DQ' queues hold delayed retries.",
+                "Queues whose names end in DQ hold delayed retries.",
                 "short",
                 Query(f"max by (queue) (pipeline_queue_depth{{{J}}})", "{{queue}}"),
                 width=8,
@@ -764,8 +764,8 @@ def consumers(o: KitOptions) -> Json:
             ),
             timeseries(
                 "Queue depth",
-                "Messages waiting on every queue ('.DQ': delayed retries); a consumer's queue "
-                "is named pipeline.<consumer> unless it chose another.",
+                "Messages waiting on every queue (names ending in DQ: delayed retries); a "
+                "consumer's queue is named pipeline.<consumer> unless it chose another.",
                 "short",
                 Query(f"max by (queue) (pipeline_queue_depth{{{J}}})", "{{queue}}"),
                 width=12,
