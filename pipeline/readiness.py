@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 
 import psycopg
 import redis
@@ -22,6 +23,7 @@ from pipeline.backoff import Backoff
 from pipeline.config import Settings, redact_url, validate_identifier
 from pipeline.db.connect import connect, describe_server, driver_reason, schema_missing_message
 from pipeline.db.migrate import available_migrations
+from pipeline.db.privileges import require_privileges
 from pipeline.errors import ServiceUnavailableError
 
 log = logging.getLogger("pipeline.readiness")
@@ -77,20 +79,48 @@ def redis_problem(settings: Settings) -> str | None:
     return None
 
 
+def privileges_problem(
+    settings: Settings, grants: Mapping[str, frozenset[str]], command: str
+) -> str | None:
+    """Why the role's grants cannot be checked yet (the connection failed or was killed
+    mid-check: an outage like any other), or None once they were checked.
+
+    A grant the role lacks is no outage: :class:`~pipeline.errors.PermissionDeniedError`
+    propagates, so the process stops with the one line naming the grants.
+    """
+    try:
+        with connect(settings, connect_timeout=CHECK_TIMEOUT) as conn:
+            require_privileges(conn, settings.schema_name, grants, command)
+    except ServiceUnavailableError as exc:
+        return str(exc)
+    except psycopg.OperationalError as exc:
+        url = settings.require_database_url()
+        return f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
+    return None
+
+
 def wait_for_services(
-    settings: Settings, *, redis_needed: bool, stop: threading.Event, role: str
+    settings: Settings,
+    *,
+    redis_needed: bool,
+    stop: threading.Event,
+    role: str,
+    grants: Mapping[str, frozenset[str]] | None = None,
 ) -> bool:
-    """Block until Postgres (with the schema) and, if needed, Redis are usable.
+    """Block until Postgres (with the schema and, given ``grants``, the role's grants) and,
+    if needed, Redis are usable.
 
     Returns False when ``stop`` was set first. Each failed check logs one warning with
     the reason and the wait before the next check; the waits double up to
-    ``PIPELINE_RECONNECT_BACKOFF_MAX``.
+    ``PIPELINE_RECONNECT_BACKOFF_MAX``. A missing grant raises at once.
     """
     backoff = Backoff(FIRST_WAIT, settings.reconnect_backoff_max)
     while not stop.is_set():
         problem = postgres_problem(settings)
         if problem is None and redis_needed:
             problem = redis_problem(settings)
+        if problem is None and grants is not None:
+            problem = privileges_problem(settings, grants, f"pipeline {role}")
         if problem is None:
             if backoff.reset():
                 log.info(f"{role}: every server it needs is ready; starting", extra={"role": role})

@@ -262,3 +262,57 @@ def test_an_ordered_key_whose_events_redis_forgot_resumes_in_order(
     assert len(seen) == 20
     for key, ns in seen.items():
         assert ns == list(range(15)), f"{key} handled out of order or twice: {ns}"
+
+
+def test_connections_killed_while_relay_and_workers_start_are_waited_out(
+    engine, chaos_settings, tmp_path
+):
+    """Every pipeline connection left idle inside a transaction is terminated while the relay
+    and workers start (their start-up checks included): they wait the outage out, logging
+    why, instead of exiting, and every order then goes through every stage once."""
+    orders = [f"start-{i}" for i in range(20)]
+    place_orders(engine, orders)
+    stop_killing = threading.Event()
+    killed: list[int] = []
+
+    def kill_connections() -> None:
+        with engine.connect() as conn:
+            while not stop_killing.is_set():
+                victims = conn.execute(
+                    text(
+                        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+                        "AND state = 'idle in transaction'"
+                    )
+                ).scalar()
+                conn.commit()
+                killed.append(int(victims or 0))
+                time.sleep(0.002)
+
+    killer = threading.Thread(target=kill_connections)
+    killer.start()
+    relay = start_relay(chaos_settings, APP, tmp_path / "relay.log")
+    workers = start_worker(chaos_settings, APP, tmp_path / "worker.log", 1, 2)
+    try:
+        wait_until(
+            lambda: "relay started" in (tmp_path / "relay.log").read_text(),
+            timeout=60,
+            alive=[relay, workers],
+        )
+        time.sleep(3.0)  # the fault lasts through the workers' start-up too
+        stop_killing.set()
+        killer.join(10)
+        wait_until(
+            lambda: len(stage_counts(engine, "notifications")) == len(orders),
+            timeout=60,
+            interval=0.5,
+            progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
+            alive=[relay, workers],
+        )
+    finally:
+        stop_killing.set()
+        killer.join(10)
+        stop_process(workers)
+        stop_process(relay)
+    assert sum(killed) > 0, "the killer found no connection to terminate"
+    assert_each_stage_once(engine, orders)

@@ -8,7 +8,7 @@ import click
 
 from pipeline.config import Settings
 from pipeline.tools.cli.options import apps_option, metrics_port_option, settings_of
-from pipeline.tools.cli.services import check_database, stop_on_signals
+from pipeline.tools.cli.services import stop_on_signals
 
 if TYPE_CHECKING:
     from pipeline.observability.metrics import MetricsServer
@@ -66,14 +66,15 @@ def relay(
     stop = threading.Event()
     stop_on_signals(stop.set)
     try:
-        if not wait_for_services(settings, redis_needed=True, stop=stop, role="relay"):
-            return
         grants = relay_grants(
             publishing=mode != "workers",
             canary=settings.canary_interval > 0,
             janitor=settings.prune_interval_seconds > 0,
         )
-        check_database(settings, grants, "pipeline relay")
+        if not wait_for_services(
+            settings, redis_needed=True, stop=stop, role="relay", grants=grants
+        ):
+            return
         server = Relay(
             settings,
             runtime.registry,

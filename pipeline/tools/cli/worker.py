@@ -13,7 +13,7 @@ from pipeline.tools.cli.options import (
     settings_of,
     threads_option,
 )
-from pipeline.tools.cli.services import check_database, stop_on_signals
+from pipeline.tools.cli.services import stop_on_signals
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -81,10 +81,10 @@ def worker(
     configure_logging(settings)
     stop = threading.Event()
     stop_on_signals(stop.set)
-    if not wait_for_services(settings, redis_needed=True, stop=stop, role="worker"):
-        return
     publishing = not queues or PUBLISH_QUEUE_NAME in queues
-    check_database(settings, worker_grants(publishing=publishing), "pipeline worker")
+    grants = worker_grants(publishing=publishing)
+    if not wait_for_services(settings, redis_needed=True, stop=stop, role="worker", grants=grants):
+        return
     env = dict(os.environ)
     env["PIPELINE_APP_MODULES"] = settings.app_modules
     env["dramatiq_worker_timeout"] = str(settings.worker_timeout_ms)
