@@ -13,7 +13,8 @@ from typing import Any, ClassVar
 
 from pipeline.errors import EmbeddedServerError, ServerStartError
 from pipeline.tools.harness.binaries import RunAs, find_postgres_bin_dir, resolve_run_as, server_env
-from pipeline.tools.harness.server import HOST, STOP_TIMEOUT, EmbeddedServer
+from pipeline.tools.harness.hosts import SUBNET, Host
+from pipeline.tools.harness.server import STOP_TIMEOUT, EmbeddedServer
 
 
 class EmbeddedPostgres(EmbeddedServer):
@@ -47,8 +48,9 @@ class EmbeddedPostgres(EmbeddedServer):
         run_as: str | None = None,
         start_timeout: float = 30.0,
         stop_timeout: float = STOP_TIMEOUT,
+        host: Host | None = None,
     ) -> None:
-        super().__init__(data_dir, port, start_timeout, stop_timeout)
+        super().__init__(data_dir, port, start_timeout, stop_timeout, host)
         self.durable = durable
         self._bin_dir_override = bin_dir
         self._run_as_name = run_as
@@ -62,7 +64,7 @@ class EmbeddedPostgres(EmbeddedServer):
 
     def dsn(self, dbname: str) -> str:
         """Connection URL for another database on this server (it must already exist)."""
-        return f"postgresql://postgres@{HOST}:{self.port}/{dbname}"
+        return f"postgresql://postgres@{self.address}:{self.port}/{dbname}"
 
     @property
     def socket_dir(self) -> Path | None:
@@ -88,10 +90,21 @@ class EmbeddedPostgres(EmbeddedServer):
                     "point data_dir at an empty or missing directory"
                 )
             self._initdb()
+        if self.host is not None:
+            self._trust_hosts()
         if self._socket_dir is None:
             # Outside the data dir: unix socket paths are limited to ~100 bytes.
             self._socket_dir = Path(tempfile.mkdtemp(prefix="pipeline-pgsock-"))
             self._chown(self._socket_dir)
+
+    def _trust_hosts(self) -> None:
+        """On a host of a :class:`~pipeline.tools.harness.hosts.HostNetwork`, trust the other
+        hosts as initdb's ``--auth=trust`` trusts 127.0.0.1 (the network is this machine's)."""
+        hba = self._data_dir / "pg_hba.conf"
+        line = f"host all all {SUBNET} trust\n"
+        text = hba.read_text()
+        if line not in text:
+            hba.write_text(text + line)
 
     def _initdb(self) -> None:
         assert self._bin_dir is not None
@@ -153,7 +166,7 @@ class EmbeddedPostgres(EmbeddedServer):
         assert self._bin_dir is not None and self._socket_dir is not None
         flag = "on" if self.durable else "off"
         settings = {
-            "listen_addresses": HOST,
+            "listen_addresses": self.address,
             "unix_socket_directories": str(self._socket_dir),
             "max_connections": "200",
             "shared_buffers": "128MB",

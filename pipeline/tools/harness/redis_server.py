@@ -7,7 +7,8 @@ import socket
 from pathlib import Path
 
 from pipeline.tools.harness.binaries import find_redis_server
-from pipeline.tools.harness.server import HOST, STOP_TIMEOUT, EmbeddedServer
+from pipeline.tools.harness.hosts import Host
+from pipeline.tools.harness.server import STOP_TIMEOUT, EmbeddedServer
 
 
 class EmbeddedRedis(EmbeddedServer):
@@ -31,15 +32,16 @@ class EmbeddedRedis(EmbeddedServer):
         executable: Path | None = None,
         start_timeout: float = 30.0,
         stop_timeout: float = STOP_TIMEOUT,
+        host: Host | None = None,
     ) -> None:
-        super().__init__(data_dir, port, start_timeout, stop_timeout)
+        super().__init__(data_dir, port, start_timeout, stop_timeout, host)
         self.persistent = persistent
         self._executable_override = executable
         self._executable: Path | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://{HOST}:{self.port}/0"
+        return f"redis://{self.address}:{self.port}/0"
 
     @property
     def executable(self) -> Path | None:
@@ -58,7 +60,7 @@ class EmbeddedRedis(EmbeddedServer):
             "--port",
             str(self.port),
             "--bind",
-            HOST,
+            self.address,
             "--dir",
             str(self._data_dir),
             "--daemonize",
@@ -84,7 +86,7 @@ class EmbeddedRedis(EmbeddedServer):
         """``INFO`` over a raw socket: readiness must not depend on a client library."""
         try:
             # Short timeout: a stranger on our port may never answer; a miss just re-polls.
-            with socket.create_connection((HOST, self.port), timeout=0.25) as sock:
+            with socket.create_connection((self.address, self.port), timeout=0.25) as sock:
                 sock.sendall(b"INFO\r\n")
                 data = b""
                 while b"\r\n" not in data:

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Self
 
 from pipeline.errors import ServerStartError
 from pipeline.tools.harness.binaries import server_env
+from pipeline.tools.harness.hosts import Host
 from pipeline.tools.harness.processes import kill_tree
 from pipeline.tools.harness.watchdog import Watchdog
 
@@ -49,7 +50,9 @@ class EmbeddedServer:
     """Process lifecycle shared by both servers; subclasses say how to prepare, spawn and ping.
 
     ``stop_timeout`` bounds :meth:`stop` (and so :meth:`cleanup`): a server that has not
-    shut down cleanly by then is killed.
+    shut down cleanly by then is killed. With ``host`` (a network namespace of
+    :mod:`~pipeline.tools.harness.hosts`) the server runs on that host and listens on its
+    address instead of 127.0.0.1.
     """
 
     _kind: ClassVar[str]
@@ -62,7 +65,9 @@ class EmbeddedServer:
         port: int | None,
         start_timeout: float,
         stop_timeout: float = STOP_TIMEOUT,
+        host: Host | None = None,
     ) -> None:
+        self.host = host
         self._owns_data_dir = data_dir is None
         # Path chosen now, created on start(): constructing has no side effects.
         self._data_dir = (
@@ -81,6 +86,11 @@ class EmbeddedServer:
     @property
     def data_dir(self) -> Path:
         return self._data_dir
+
+    @property
+    def address(self) -> str:
+        """The address the server listens on: its host's, or 127.0.0.1."""
+        return self.host.address if self.host is not None else HOST
 
     @property
     def port(self) -> int:
@@ -115,19 +125,26 @@ class EmbeddedServer:
             self._prepare()
             log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             try:
+                command, kwargs = self._command(), self._popen_kwargs()
+                if self.host is not None:  # enter the namespace as root, then drop root
+                    command = self.host.command(
+                        command, uid=kwargs.get("user"), gid=kwargs.get("group")
+                    )
+                    kwargs = {}
                 with self.log_path.open("ab") as log:
                     self._proc = subprocess.Popen(
-                        self._command(),
+                        command,
                         stdin=subprocess.DEVNULL,
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
                         env=server_env(),
                         cwd=self._data_dir,
-                        **self._popen_kwargs(),
+                        **kwargs,
                     )
                 self._guard()
-                self._wait_ready(self._proc, log_offset)
+                with self.host.entered() if self.host is not None else contextlib.nullcontext():
+                    self._wait_ready(self._proc, log_offset)
             except BaseException as exc:  # incl. Ctrl-C: never leave a half-started server
                 self._kill_tree()
                 self._after_exit()  # also when the spawn itself failed
@@ -250,7 +267,7 @@ class EmbeddedServer:
                 return
             if time.monotonic() >= deadline:
                 raise ServerStartError(
-                    f"{self._kind} did not accept connections on {HOST}:{self.port} within "
+                    f"{self._kind} did not accept connections on {self.address}:{self.port} within "
                     f"{self._start_timeout:g}s (data dir {self._data_dir}). "
                     f"{self._log_excerpt(log_offset)}"
                 )
