@@ -16,7 +16,7 @@ import psycopg
 import pytest
 import redis
 
-from pipeline.tools.drill.faults import KINDS, STAGING_KINDS
+from pipeline.tools.drill.faults import ONE_HOST_KINDS, STAGING_KINDS
 from pipeline.tools.drill.report import render_text
 
 pytestmark = pytest.mark.chaos
@@ -63,11 +63,11 @@ def test_shortened_drill_with_every_fault_kind_keeps_every_guarantee():
     # take one after another (about 15 s), so orders flow through every one. The seed puts
     # the clock-skew stretch (which holds the count the faults wait on) after the others.
     result, report = drill(
-        "--events", "300", "--faults", str(len(KINDS)), "--rate", "15",
+        "--events", "300", "--faults", str(len(ONE_HOST_KINDS)), "--rate", "15",
         "--seed", "432", "--recovery-timeout", "90",
     )  # fmt: skip
 
-    assert_every_kind_injected(report, KINDS)
+    assert_every_kind_injected(report, ONE_HOST_KINDS)
     assert_orders_flowed_through_every_fault(report)
     assert report["events"]["orders"] == 300 and report["events"]["poison"] == 3
     assert report["violations"] == [], render_text(report)
@@ -76,6 +76,33 @@ def test_shortened_drill_with_every_fault_kind_keeps_every_guarantee():
     assert report["dead_letters"] == {"expected": 6, "found": 6, "unexpected": 0}
     assert report["events"]["ids_out_of_sequence_order"]["events"] > 0  # the skew took hold
     assert result.returncode == 0
+
+
+def test_network_faults_need_hosts_and_proxy_faults_refuse_them():
+    for args, line in (
+        (
+            ["--fault-kinds", "partition-worker-broker"],
+            "fault kind 'partition-worker-broker' cuts links between hosts: run with --hosts",
+        ),
+        (
+            ["--hosts", "--fault-kinds", "proxy-drop"],
+            "fault kind 'proxy-drop' acts through the proxies, which do not run across hosts",
+        ),
+        (
+            ["--hosts", "--redis-url", "redis://127.0.0.1:1/0"],
+            "--hosts puts the drill's own Postgres and Redis on hosts of their own: "
+            "drop --database-url/--redis-url",
+        ),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "pipeline.tools.cli", "drill", *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert result.returncode == 1
+        assert result.stderr.strip().splitlines() == [f"pipeline: error: {line}"]
 
 
 @pytest.mark.timeout(600)

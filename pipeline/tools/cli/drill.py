@@ -21,7 +21,10 @@ FAULT_KINDS_HELP = (
     "Comma-separated fault kinds to inject (default: every kind this run may do): "
     "relay-kill, worker-kill, listen-terminate, worker-terminate, postgres-restart-fast, "
     "postgres-restart-immediate, redis-restart-always, redis-restart-everysec, "
-    "redis-restart-volatile, redis-down, proxy-drop, proxy-stall, clock-skew."
+    "redis-restart-volatile, redis-down, proxy-drop, proxy-stall, clock-skew; with --hosts "
+    "also partition-worker-broker, partition-worker-postgres, partition-worker-both, "
+    "partition-relay-postgres, partition-relay-broker, zombie-relay, link-degrade "
+    "(the proxy kinds then do not apply)."
 )
 
 
@@ -66,6 +69,18 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     "--keep",
     is_flag=True,
     help="Keep logs, the throwaway servers' data, and (staging) the schemas and Redis keys.",
+)
+@click.option(
+    "--hosts",
+    is_flag=True,
+    help="Run Postgres, Redis, each relay, each worker group and the producer on hosts of "
+    "their own (network namespaces on this machine; needs root) and cut links between them.",
+)
+@seconds_option(
+    "--network-seconds",
+    30.0,
+    "Longest partition or degraded link (--hosts); each lasts between 5 s and this.",
+    minimum=1,
 )
 @json_option("Print the report as one JSON object.")
 def drill(**options: object) -> None:

@@ -19,6 +19,12 @@ from typing import Any
 import psycopg
 
 from pipeline.tools.drill.members import Kind, Member, Members
+from pipeline.tools.drill.network import (
+    NETWORK_DESCRIPTIONS,
+    NETWORK_KINDS,
+    PROXY_KINDS,
+    NetworkFaults,
+)
 from pipeline.tools.drill.sql import DrillQueries
 
 KINDS = (
@@ -35,6 +41,7 @@ KINDS = (
     "proxy-drop",
     "proxy-stall",
     "clock-skew",
+    *NETWORK_KINDS,
 )
 DESCRIPTIONS = {
     "relay-kill": "SIGKILL of a relay process, restarted after 0.5-3 s",
@@ -50,10 +57,18 @@ DESCRIPTIONS = {
     "proxy-drop": "every connection through the proxy to Postgres and/or Redis dropped",
     "proxy-stall": "all traffic through the proxy to Postgres and/or Redis stalled 1-4 s",
     "clock-skew": "a stretch of orders placed by a producer whose clock is shifted",
+    **NETWORK_DESCRIPTIONS,
 }
 OWNED_ONLY = frozenset(kind for kind in KINDS if kind.startswith(("postgres-", "redis-")))
 """Faults done to a server, which the drill does only to servers it started itself."""
-STAGING_KINDS = tuple(kind for kind in KINDS if kind not in OWNED_ONLY)
+HOSTS_ONLY = frozenset(NETWORK_KINDS)
+"""Faults between hosts, which need ``--hosts``."""
+ONE_HOST_KINDS = tuple(kind for kind in KINDS if kind not in HOSTS_ONLY)
+"""What a drill on one host (the default) may inject."""
+STAGING_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in OWNED_ONLY)
+"""What a drill against given servers may inject."""
+HOSTS_KINDS = tuple(kind for kind in KINDS if kind not in PROXY_KINDS)
+"""What a drill across hosts may inject."""
 FIND_CONNECTIONS_SECONDS = 5.0
 
 
@@ -78,9 +93,16 @@ class Fault:
         }
 
 
-def schedule(kinds: tuple[str, ...], count: int, window: float, rng: random.Random) -> list[Fault]:
+def schedule(
+    kinds: tuple[str, ...],
+    count: int,
+    window: float,
+    rng: random.Random,
+    network_seconds: float = 30.0,
+) -> list[Fault]:
     """``count`` faults over ``window`` seconds: each kind once (if ``count`` allows), then
-    kinds at random, at random moments between 5 % and 90 % of the window."""
+    kinds at random, at random moments between 5 % and 90 % of the window. Network faults
+    last between 5 s (or ``network_seconds`` if shorter) and ``network_seconds``."""
     if count <= 0 or not kinds:
         return []
     chosen = list(kinds) if count >= len(kinds) else rng.sample(list(kinds), count)
@@ -101,6 +123,8 @@ def schedule(kinds: tuple[str, ...], count: int, window: float, rng: random.Rand
         elif kind == "clock-skew":
             fault.seconds = rng.uniform(2.0, 5.0)
             fault.skew = rng.choice((-1, 1)) * rng.uniform(60.0, 3600.0)
+        elif kind in HOSTS_ONLY:
+            fault.seconds = rng.uniform(min(5.0, network_seconds), network_seconds)
         if kind.startswith("proxy-"):
             fault.target = rng.choice(("postgres", "redis", "both"))
         faults.append(fault)
@@ -133,6 +157,7 @@ class Injector:
     rng: random.Random
     postgres: Any = None  # OwnedPostgres when the drill owns the server
     redis: Any = None  # OwnedRedis likewise
+    network: NetworkFaults | None = None  # across hosts (--hosts)
     wait: Callable[[float], None] = time.sleep
     done: list[Fault] = field(default_factory=list)
 
@@ -166,6 +191,11 @@ class Injector:
             return f"down {down:.1f} s" + (" (came back empty)" if mode == "volatile" else "")
         if kind == "redis-down":
             return f"down {self.redis.down(fault.seconds):.1f} s"
+        if kind in HOSTS_ONLY:
+            if self.network is None:
+                raise ValueError(f"{kind} needs hosts (--hosts)")
+            fault.target, detail = self.network.do(kind, fault.seconds)
+            return detail
         if kind == "proxy-drop":
             return self.proxies.send(fault.target, "drop")
         if kind == "proxy-stall":

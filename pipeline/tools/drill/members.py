@@ -13,7 +13,7 @@ nothing of a killed process is overwritten.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -64,6 +64,7 @@ class Members:
     workers: int = 2
     processes: int = 1
     threads: int = 4
+    place: Callable[[Member, Sequence[str]], list[str]] | None = None  # run it on a host
     members: list[Member] = field(default_factory=list)
     exits: list[Exit] = field(default_factory=list)
 
@@ -109,6 +110,8 @@ class Members:
                 member.metrics_dir
             )
             argv = worker_command(self.processes, self.threads, 0)
+        if self.place is not None:
+            argv = self.place(member, argv)
         member.child = self.fleet.start(
             member.name, argv, env=env, log_path=self.log_dir / f"{stem}.log"
         )

@@ -20,6 +20,7 @@ Whatever was started is stopped again, newest first, on success, error or Ctrl-C
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -29,6 +30,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -43,6 +45,7 @@ from pipeline.config import Settings, configure, libpq_url, load_settings, redac
 from pipeline.errors import PipelineError
 from pipeline.tools.drill.check import check_run
 from pipeline.tools.drill.faults import (
+    HOSTS_ONLY,
     KINDS,
     OWNED_ONLY,
     Fault,
@@ -50,7 +53,8 @@ from pipeline.tools.drill.faults import (
     Proxies,
     schedule,
 )
-from pipeline.tools.drill.members import Members
+from pipeline.tools.drill.members import Member, Members
+from pipeline.tools.drill.network import PROXY_KINDS, DrillHosts, NetworkFaults
 from pipeline.tools.drill.proxy import ProxyProcess
 from pipeline.tools.drill.report import (
     RunFacts,
@@ -109,28 +113,42 @@ class DrillOptions:
     processes: int = 1
     threads: int = 4
     poison: int = 3
+    hosts: bool = False
+    network_seconds: float = 30.0
 
 
 def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
-    """The fault kinds this run may inject: never a restart of a server it did not start."""
+    """The fault kinds this run may inject: never a restart of a server it did not start;
+    network faults across hosts only, proxy faults only on one host."""
     given = {"postgres": options.database_url is not None, "redis": options.redis_url is not None}
-    possible = tuple(
-        kind
-        for kind in KINDS
-        if kind not in OWNED_ONLY
-        or not given["postgres" if kind.startswith("postgres") else "redis"]
-    )
+    if options.hosts and (given["postgres"] or given["redis"]):
+        raise DrillError(
+            "--hosts puts the drill's own Postgres and Redis on hosts of their own: "
+            "drop --database-url/--redis-url"
+        )
+
+    def refusal(kind: str) -> str | None:
+        if kind in OWNED_ONLY and given["postgres" if kind.startswith("postgres") else "redis"]:
+            return (
+                "restarts a server, which the drill does only to servers it starts itself "
+                "(drop --database-url/--redis-url for it)"
+            )
+        if kind in HOSTS_ONLY and not options.hosts:
+            return "cuts links between hosts: run with --hosts"
+        if kind in PROXY_KINDS and options.hosts:
+            return "acts through the proxies, which do not run across hosts"
+        return None
+
+    possible = tuple(kind for kind in KINDS if refusal(kind) is None)
     if not options.fault_kinds:
         return possible
     unknown = [kind for kind in options.fault_kinds if kind not in KINDS]
     if unknown:
         raise DrillError(f"unknown fault kind {unknown[0]!r}; known: {', '.join(KINDS)}")
-    refused = [kind for kind in options.fault_kinds if kind not in possible]
-    if refused:
-        raise DrillError(
-            f"fault kind {refused[0]!r} restarts a server, which the drill does only to servers "
-            "it starts itself (drop --database-url/--redis-url for it)"
-        )
+    for kind in options.fault_kinds:
+        reason = refusal(kind)
+        if reason is not None:
+            raise DrillError(f"fault kind {kind!r} {reason}")
     return tuple(dict.fromkeys(options.fault_kinds))
 
 
@@ -190,6 +208,7 @@ class _Drill:
         self.restart_at: dict[str, float] = {}
         self.work_dir = Path(tempfile.mkdtemp(prefix=f"pipeline-drill-{self.run_id}-"))
         self.fleet = Fleet()
+        self.hosts: DrillHosts | None = None
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -200,6 +219,8 @@ class _Drill:
         if not self.options.keep:
             self.fleet.remove_on_death(self.work_dir)
         self.cleanup.push("remove the drill's directory", self._remove_work_dir)
+        if self.options.hosts:
+            self._make_hosts()
         servers = self._servers()
         settings = load_settings().replace(
             database_url=servers.database_url,
@@ -227,7 +248,7 @@ class _Drill:
         options = self.options
         plan = plan_orders(self.run_id, options.events, options.poison, self.rng)
         window = len(plan) / options.rate if options.rate > 0 else len(plan) / 200.0
-        faults = schedule(self.kinds, options.faults, window, self.rng)
+        faults = schedule(self.kinds, options.faults, window, self.rng, options.network_seconds)
         segments, skews = self._segments(faults, len(plan), window)
         injected = [f for f in faults if f.kind != "clock-skew"]
         injector = Injector(
@@ -239,6 +260,13 @@ class _Drill:
             postgres=servers.postgres,
             redis=servers.redis,
             wait=lambda seconds: self._wait(members, seconds),
+            network=(
+                NetworkFaults(
+                    self.hosts, members, self.rng, lambda seconds: self._wait(members, seconds)
+                )
+                if self.hosts is not None
+                else None
+            ),
         )
         from pipeline.db.connect import make_engine
 
@@ -355,7 +383,7 @@ class _Drill:
         postgres = redis = None
         try:
             if options.database_url is None:
-                postgres = OwnedPostgres()
+                postgres = OwnedPostgres(self.hosts["pg"] if self.hosts else None)
                 self.cleanup.push(
                     "stop the drill's Postgres", lambda: postgres.close(self.options.keep)
                 )
@@ -369,7 +397,7 @@ class _Drill:
                 database_url = libpq_url(options.database_url)
                 setup["postgres"] = f"given {redact_url(database_url)} (never restarted)"
             if options.redis_url is None:
-                redis = OwnedRedis()
+                redis = OwnedRedis(self.hosts["broker"] if self.hosts else None)
                 self.cleanup.push("stop the drill's Redis", lambda: redis.close(self.options.keep))
                 redis.start()
                 redis_url = redis.url
@@ -389,7 +417,12 @@ class _Drill:
         setup["redis keys"] = f"{self.schema}:*"
         setup["processes"] = (
             f"{options.relays} relays, {options.workers} workers x {options.processes} "
-            f"processes x {options.threads} threads, connected through the drill's proxies"
+            f"processes x {options.threads} threads, "
+            + (
+                f"each on a host of its own ({self.hosts.layout()})"
+                if self.hosts is not None
+                else "connected through the drill's proxies"
+            )
         )
         return _Servers(database_url, redis_url, postgres, redis, setup)
 
@@ -416,9 +449,38 @@ class _Drill:
         if self.options.redis_url is not None and not self.options.keep:
             self.cleanup.push("delete the drill's Redis keys", lambda: self._delete_keys(servers))
 
+    def _make_hosts(self) -> None:
+        """The hosts (network namespaces) of ``--hosts``; the drill's own thread, and so its
+        producer, checks and payment API, runs on the ``app`` host from here on."""
+        from pipeline.tools.harness.hosts import HostNetworkUnavailable
+
+        options = self.options
+        try:
+            hosts = DrillHosts.create(options.relays, options.workers)
+        except HostNetworkUnavailable as exc:
+            raise DrillError(f"--hosts: {exc}") from None
+        self.hosts = hosts
+        self.cleanup.push("delete the drill's hosts", hosts.close)
+        if "link-degrade" in self.kinds:
+            problem = hosts.netem_problem()
+            if problem is not None:
+                if "link-degrade" in options.fault_kinds:
+                    raise DrillError(f"fault kind 'link-degrade' cannot be done here: {problem}")
+                self.kinds = tuple(kind for kind in self.kinds if kind != "link-degrade")
+                self.notes.append(f"link-degrade left out: {problem}")
+        stack = contextlib.ExitStack()
+        stack.enter_context(hosts["app"].entered())
+        self.cleanup.push("leave the app host", stack.close)
+
+    def _place(self, member: Member, argv: Sequence[str]) -> list[str]:
+        assert self.hosts is not None
+        return self.hosts.of(member).command(argv)
+
     def _proxies(self, servers: _Servers) -> Proxies:
         from pipeline.tools.drill.servers import address
 
+        if self.hosts is not None:
+            return Proxies(None, None)
         log = (self.work_dir / "proxies.log").open("ab")
         self.cleanup.push("close the proxies' log", log.close)
         postgres = self._proxy(*address(servers.database_url, 5432), log)
@@ -438,13 +500,17 @@ class _Drill:
         from pipeline.tools.harness.embedded import free_port
 
         port = free_port()
-        argv = [sys.executable, "-m", "pipeline.tools.harness.payment_api", "--port", str(port)]
+        host = self.hosts["app"].address if self.hosts is not None else "127.0.0.1"
+        argv = [
+            sys.executable, "-m", "pipeline.tools.harness.payment_api",
+            "--host", host, "--port", str(port),
+        ]  # fmt: skip
         try:
             api = self.fleet.start("payment API", argv, log_path=self.work_dir / "api.log")
         except OSError as exc:
             raise DrillError(f"cannot start the payment API: {exc}") from None
         self.cleanup.push("stop the payment API", lambda: self.fleet.stop([api], grace=10.0))
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{host}:{port}"
 
         def ready() -> bool:
             try:
@@ -479,7 +545,11 @@ class _Drill:
         for name, value in PROCESS_DEFAULTS.items():
             env.setdefault(name, value)
         env.update(
-            PIPELINE_DATABASE_URL=through_proxy(servers.database_url, postgres_proxy.port),
+            PIPELINE_DATABASE_URL=(
+                through_proxy(servers.database_url, postgres_proxy.port)
+                if postgres_proxy
+                else servers.database_url
+            ),
             PIPELINE_REDIS_URL=(
                 through_proxy(servers.redis_url, redis_proxy.port)
                 if redis_proxy
@@ -501,6 +571,7 @@ class _Drill:
             workers=options.workers,
             processes=options.processes,
             threads=options.threads,
+            place=self._place if self.hosts is not None else None,
         )
         self.cleanup.push(
             "stop the relays and workers", lambda: members.stop_all(self.cleanup.remaining)

@@ -24,6 +24,7 @@ import psycopg
 import redis
 
 from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.tools.harness.hosts import Host
 
 PostgresStop = Literal["fast", "immediate"]
 RedisMode = Literal["always", "everysec", "volatile"]
@@ -76,8 +77,8 @@ class _OwnedServer:
 class OwnedPostgres(_OwnedServer):
     """A throwaway Postgres the drill may restart (``-m fast`` or ``-m immediate``)."""
 
-    def __init__(self) -> None:
-        self.server: EmbeddedPostgres = EmbeddedPostgres(durable=True)
+    def __init__(self, host: Host | None = None) -> None:
+        self.server: EmbeddedPostgres = EmbeddedPostgres(durable=True, host=host)
 
     def start(self) -> None:
         self.server.start()
@@ -106,8 +107,8 @@ class OwnedPostgres(_OwnedServer):
 class OwnedRedis(_OwnedServer):
     """A throwaway Redis the drill may crash and restart, with or without persistence."""
 
-    def __init__(self) -> None:
-        self.server: EmbeddedRedis = EmbeddedRedis(persistent=True)
+    def __init__(self, host: Host | None = None) -> None:
+        self.server: EmbeddedRedis = EmbeddedRedis(persistent=True, host=host)
 
     def prepare(self, mode: RedisMode) -> None:
         """Switch persistence for the coming crash: AOF fsynced always, every second, or none."""

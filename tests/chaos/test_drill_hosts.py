@@ -1,0 +1,41 @@
+"""``pipeline drill --hosts``, shortened: every process on a host of its own (network
+namespaces), and the network fault kinds between them. Needs root; skipped otherwise."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipeline.tools.drill.network import NETWORK_KINDS
+from pipeline.tools.drill.report import render_text
+from pipeline.tools.harness.hosts import host_network_problem
+from tests.chaos.test_drill import (
+    assert_every_kind_injected,
+    assert_orders_flowed_through_every_fault,
+    drill,
+)
+
+pytestmark = pytest.mark.chaos
+
+
+@pytest.mark.timeout(600)
+def test_across_hosts_every_network_fault_keeps_every_guarantee():
+    """Relays, worker groups, Postgres, Redis and the producer on hosts of their own; each
+    network fault kind cuts links between them (3 s each here) while orders flow. The seed
+    spreads the six faults over the first three quarters of the 30 s window."""
+    problem = host_network_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    kinds = tuple(kind for kind in NETWORK_KINDS if kind != "link-degrade")
+    result, report = drill(
+        "--hosts", "--events", "300", "--rate", "10", "--faults", str(len(kinds)),
+        "--fault-kinds", ",".join(kinds), "--network-seconds", "3",
+        "--seed", "280", "--recovery-timeout", "90",
+    )  # fmt: skip
+
+    assert_every_kind_injected(report, kinds)
+    assert_orders_flowed_through_every_fault(report)
+    assert "each on a host of its own" in report["setup"]["processes"]
+    assert report["violations"] == [], render_text(report)
+    assert report["api"]["charges"]["total"] == 300
+    assert report["dead_letters"] == {"expected": 6, "found": 6, "unexpected": 0}
+    assert result.returncode == 0
