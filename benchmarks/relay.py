@@ -63,7 +63,7 @@ from pipeline.outbox import NewEvent, add_events
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.relay.relay import Relay, Waker
-from pipeline.runtime import event_source
+from pipeline.signing import event_source
 from pipeline.transport.publisher import Delivery
 from pipeline.transport.redis import keys
 from pipeline.transport.redis.broker import make_broker

@@ -40,6 +40,9 @@ BOUNDS = (
     ("consumer_backoff_min", "consumer_backoff_max"),
 )
 
+MESSAGE_KEY_OFF = frozenset({"insecure", "none"})  # PIPELINE_MESSAGE_KEY values: no signing
+MESSAGE_KEY_MIN_CHARS = 32
+
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 
@@ -169,6 +172,11 @@ class Settings(BaseSettings):
     backlog_warn: Annotated[int, Field(ge=0)] = 10_000  # the relay's gauge and warning
     backlog_limit: Annotated[int, Field(ge=0)] = 0  # add_event* raise BacklogFull above it
 
+    # Message authentication (pipeline/signing.py): the relay signs, workers verify.
+    # "insecure" (or "none") turns it off explicitly; unset, it is off with a warning.
+    message_key: SecretStr | None = None
+    message_key_previous: SecretStr | None = None  # still accepted while keys rotate
+
     @field_validator("schema_name", "redis_namespace")
     @classmethod
     def _identifier(cls, value: str) -> str:
@@ -272,6 +280,32 @@ class Settings(BaseSettings):
         ):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return value
+
+    @field_validator("message_key", "message_key_previous")
+    @classmethod
+    def _message_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None:
+            return None
+        key = value.get_secret_value()
+        if key.strip().lower() in MESSAGE_KEY_OFF:
+            return SecretStr(key.strip().lower())
+        if len(key) < MESSAGE_KEY_MIN_CHARS:
+            raise ValueError(
+                f"a message key needs at least {MESSAGE_KEY_MIN_CHARS} characters "
+                "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'), "
+                "or 'insecure' to turn message authentication off"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _key_rotation(self) -> Self:
+        if self.message_key_previous is not None and self.message_key is None:
+            raise ValueError(
+                f"{ENV_PREFIX}MESSAGE_KEY_PREVIOUS is set without {ENV_PREFIX}MESSAGE_KEY: "
+                "set the new key in PIPELINE_MESSAGE_KEY and the old one in "
+                "PIPELINE_MESSAGE_KEY_PREVIOUS"
+            )
+        return self
 
     def replace(self, **changes: object) -> Settings:
         """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""

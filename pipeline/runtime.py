@@ -18,6 +18,7 @@ from pipeline.inbox.actors import ProcessEngine, declare_inbox_actors
 from pipeline.inbox.canary import register_canary
 from pipeline.registry import Registry, registry
 from pipeline.relay.actors import PublishingDispatcher, declare_publishing_actor
+from pipeline.signing import event_source
 from pipeline.transport.base import Transport
 from pipeline.transport.factory import open_transport
 from pipeline.transport.publisher import Publisher
@@ -42,11 +43,6 @@ class Runtime:
     def close(self) -> None:
         self.transport.close()
         self.engine.dispose()
-
-
-def event_source(settings: Settings) -> str:
-    """The CloudEvents ``source`` of this pipeline's events."""
-    return f"/pipeline/{settings.schema_name}"
 
 
 def import_app_modules(names: list[str]) -> None:

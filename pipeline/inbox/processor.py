@@ -30,12 +30,12 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dramatiq.middleware import TimeLimitExceeded
 from sqlalchemy import Connection, Engine
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import DataError, DBAPIError
 from sqlalchemy.orm import Session
 
 from pipeline.config import Settings
@@ -48,6 +48,7 @@ from pipeline.inbox.context import HandlerContext
 from pipeline.inbox.upcasting import Upcasters, upcasters
 from pipeline.observability import metrics, tracing
 from pipeline.registry import Subscription
+from pipeline.signing import REASONS, EnvelopeSigner, event_source
 
 log = logging.getLogger("pipeline.inbox")
 DEFER_DELAY = 0.05  # seconds before a deferred ordered event first looks at its predecessor again
@@ -110,6 +111,7 @@ class InboxProcessor:
         self.upcasters = upcaster_registry
         self.store = InboxStore(settings.schema_name)
         self.policy = definition.policy(settings)
+        self.signer = EnvelopeSigner.from_settings(settings, event_source(settings))
 
     # -- a message -------------------------------------------------------------------------
     def handle(self, envelopes: Any, deferrals: int = 0) -> Outcome:
@@ -126,6 +128,11 @@ class InboxProcessor:
             return outcome
         events: list[tuple[dict[str, Any], ReceivedEvent]] = []
         for envelope in envelopes:
+            refused = self.signer.verify(envelope, self.subscription.consumer)
+            if refused is not None:
+                self._dead_letter_unauthentic(envelope, refused)
+                outcome.dead += 1
+                continue
             try:
                 events.append((envelope, decode_envelope(envelope)))
             except (EnvelopeError, TypeError, ValueError) as exc:
@@ -447,6 +454,21 @@ class InboxProcessor:
             },
         )
 
+    def _dead_letter_unauthentic(self, envelope: Any, refused: str) -> None:
+        """Keep a refused envelope for inspection, attributed to no event: whatever id it
+        claims, it must not mark a real event dead nor count as that event's outcome."""
+        metrics.unauthentic_messages.labels(self.subscription.consumer, refused).inc()
+        record_unreadable(
+            self.settings,
+            self.engine(),
+            self.subscription.queue,
+            REASONS[refused],
+            consumer=self.subscription.consumer,
+            envelope=envelope,
+            error_class="UnauthenticMessage",
+            attributed=False,
+        )
+
     def _dead_letter_unreadable(self, envelope: Any, reason: str) -> None:
         record_unreadable(
             self.settings,
@@ -469,39 +491,69 @@ def record_unreadable(
     raw: bytes | None = None,
     event_type: str | None = None,
     event_ids: Sequence[uuid.UUID] = (),
+    error_class: str = "UnprocessableMessage",
+    attributed: bool = True,
 ) -> None:
     """Dead-letter something that is not a processable event, keeping it for inspection.
 
     Events it carried (``event_ids``, or the envelope's own id) are marked dead for
-    ``consumer``, so an ordered consumer's later events of their keys stop waiting.
+    ``consumer``, so an ordered consumer's later events of their keys stop waiting —
+    unless ``attributed`` is False (an unauthentic envelope: the ids it names are claims).
+    NUL characters, which Postgres text cannot hold, are kept escaped as ``\\x00``.
     """
-    event_id = envelope_id(envelope)
+    event_id = envelope_id(envelope) if attributed else None
     carried = list(event_ids) or ([event_id] if event_id is not None else [])
     try:
-        envelope_json = json.dumps(envelope) if envelope is not None else None
-    except (TypeError, ValueError):
+        envelope_json = json.dumps(_without_nul(envelope)) if envelope is not None else None
+    except (TypeError, ValueError, RecursionError):
         envelope_json = None
+    raw_text = _escape_nul(raw.decode("utf-8", "backslashreplace")) if raw is not None else None
+    letter = ConsumeDeadLetter(
+        event_id=event_id,
+        consumer=consumer,
+        event_type=event_type,
+        queue=queue,
+        reason=reason,
+        error_class=error_class,
+        error=reason,
+        attempts=0,
+        envelope=envelope_json,
+        raw_message=raw_text,
+    )
     store = InboxStore(settings.schema_name)
-    with engine.begin() as connection:
-        store.dead_letter(
-            connection,
-            ConsumeDeadLetter(
-                event_id=event_id,
-                consumer=consumer,
-                event_type=event_type,
-                queue=queue,
-                reason=reason,
-                error_class="UnprocessableMessage",
-                error=reason,
-                attempts=0,
-                envelope=envelope_json,
-                raw_message=raw.decode("utf-8", "backslashreplace") if raw is not None else None,
-            ),
-        )
-        if consumer is not None and carried:
-            store.give_up(connection, consumer, carried, reason)
-    metrics.dead_letters.labels("consume", event_type or "unknown", "UnprocessableMessage").inc()
+    try:
+        _store_unreadable(store, engine, letter, carried if attributed else [])
+    except DataError:
+        # Text jsonb refuses (a lone surrogate escape): keep it as ASCII JSON text instead.
+        kept = raw_text if raw_text is not None else envelope_json
+        letter = replace(letter, envelope=None, raw_message=kept)
+        _store_unreadable(store, engine, letter, carried if attributed else [])
+    metrics.dead_letters.labels("consume", event_type or "unknown", error_class).inc()
     log.error("unprocessable message dead-lettered", extra={"queue": queue, "reason": reason})
+
+
+def _store_unreadable(
+    store: InboxStore, engine: Engine, letter: ConsumeDeadLetter, carried: Sequence[uuid.UUID]
+) -> None:
+    with engine.begin() as connection:
+        store.dead_letter(connection, letter)
+        if letter.consumer is not None and carried:
+            store.give_up(connection, letter.consumer, carried, letter.reason)
+
+
+def _escape_nul(text: str) -> str:
+    return text.replace("\x00", "\\x00") if "\x00" in text else text
+
+
+def _without_nul(value: Any) -> Any:
+    """``value`` with NUL characters in its strings (and keys) escaped: jsonb refuses them."""
+    if isinstance(value, str):
+        return _escape_nul(value)
+    if isinstance(value, dict):
+        return {_without_nul(k): _without_nul(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_without_nul(item) for item in value]
+    return value
 
 
 def envelope_id(envelope: Any) -> uuid.UUID | None:
@@ -519,6 +571,4 @@ def _lock_order(event: ReceivedEvent) -> int:
 
 
 def _with_payload(event: ReceivedEvent, version: int, data: Any) -> ReceivedEvent:
-    from dataclasses import replace
-
     return replace(event, version=version, data=data)

@@ -105,6 +105,11 @@ dead_letters = Counter(
     "Events dead-lettered, by stage (publish or consume).",
     ["stage", "event_type", "error_class"],
 )
+unauthentic_messages = Counter(
+    "pipeline_unauthentic_messages_total",
+    "Envelopes a worker refused and dead-lettered because their signature is missing or wrong.",
+    ["consumer", "reason"],
+)
 redeliveries = Counter(
     "pipeline_redeliveries_total",
     "Deliveries the relay's ledger sweep sent again: no outcome within the redelivery horizon.",

@@ -200,7 +200,7 @@ class _Demo:
         settings = layout.settings
         import pipeline.tools.demo.app  # noqa: F401 - registers the demo's routes in this process
         from pipeline.registry import registry
-        from pipeline.runtime import event_source
+        from pipeline.signing import event_source
         from pipeline.transport.factory import open_transport
 
         transport = open_transport(settings, middleware=[])

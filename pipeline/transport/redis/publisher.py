@@ -13,6 +13,7 @@ from redis.exceptions import NoScriptError
 
 from pipeline.envelope import encode_envelope
 from pipeline.errors import PermanentPublishError, PublisherUnavailable
+from pipeline.signing import EnvelopeSigner, MessageKeys
 from pipeline.transport.publisher import Delivery
 from pipeline.transport.redis.encoding import message_json
 
@@ -28,32 +29,44 @@ class DramatiqRedisPublisher:
     Each delivery becomes one Dramatiq message whose single argument is the list of
     CloudEvents envelopes, enqueued with Dramatiq's own ``dispatch`` Lua script (so
     workers see ordinary messages) through a Redis pipeline: one round trip per
-    batch instead of one per message.
+    batch instead of one per message. Each envelope carries its signature for the
+    delivery's consumer when a message key is set (:mod:`pipeline.signing`).
     """
 
-    def __init__(self, broker: Any, source: str, max_message_bytes: int = 64 * 1024 * 1024):
+    def __init__(
+        self,
+        broker: Any,
+        source: str,
+        max_message_bytes: int = 64 * 1024 * 1024,
+        signer: EnvelopeSigner | None = None,
+    ):
         self.broker = broker
         self.source = source
         self.max_message_bytes = max_message_bytes
+        self.signer = signer or EnvelopeSigner(MessageKeys(), source)
         self._dispatch = broker.scripts["dispatch"]
 
     def encode(
-        self, delivery: Delivery, envelopes_by_event: dict[uuid.UUID, str] | None = None
+        self,
+        delivery: Delivery,
+        envelopes_by_event: dict[uuid.UUID, str] | None = None,
+        digests: dict[uuid.UUID, str] | None = None,
     ) -> tuple[str, str]:
         """The Redis message id and the Dramatiq message JSON of one delivery.
 
-        ``envelopes_by_event`` caches envelopes across the deliveries of one batch, so an
-        event fanned out to several consumers is encoded once.
+        ``envelopes_by_event`` (and ``digests``, the payload digests signatures cover)
+        cache across the deliveries of one batch, so an event fanned out to several
+        consumers is encoded once.
         """
         cache = {} if envelopes_by_event is None else envelopes_by_event
-        parts = []
         for event in delivery.events:
-            text = cache.get(event.id)
-            if text is None:
-                text = cache[event.id] = encode_envelope(event, self.source)
-            parts.append(text)
-        redis_id = str(uuid.uuid4())
+            if event.id not in cache:
+                cache[event.id] = encode_envelope(event, self.source)
         subscription = delivery.subscription
+        parts = self.signer.sign_texts(
+            delivery.events, subscription.consumer, cache, {} if digests is None else digests
+        )
+        redis_id = str(uuid.uuid4())
         body = message_json(
             subscription.queue,
             subscription.actor_name,
@@ -69,9 +82,10 @@ class DramatiqRedisPublisher:
             return []
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         envelopes: dict[uuid.UUID, str] = {}
+        digests: dict[uuid.UUID, str] = {}
         commands: dict[int, tuple[str, str, str]] = {}  # delivery index -> queue, id, body
         for index, delivery in enumerate(deliveries):
-            redis_id, body = self.encode(delivery, envelopes)
+            redis_id, body = self.encode(delivery, envelopes, digests)
             if len(body) > self.max_message_bytes:
                 outcomes[index] = PermanentPublishError(
                     f"message of {len(body)} bytes exceeds the {self.max_message_bytes}-byte limit"

@@ -10,6 +10,7 @@ import redis
 
 from pipeline.driver_errors import translate
 from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
+from pipeline.signing import EnvelopeSigner
 from pipeline.transport.base import QueueDepth, Slots, Transport, UndecodableSink
 from pipeline.transport.publisher import Publisher
 from pipeline.transport.redis.broker import PipelineRedisBroker, make_broker
@@ -81,7 +82,9 @@ class RedisTransport(Transport):
         return self.settings.redis_namespace
 
     def publisher(self, source: str) -> Publisher:
-        return DramatiqRedisPublisher(self.broker, source)
+        return DramatiqRedisPublisher(
+            self.broker, source, signer=EnvelopeSigner.from_settings(self.settings, source)
+        )
 
     def publisher_slots(self, name: str) -> Slots:
         return RedisSlots(self.broker.client, f"{self.namespace}:{name}")

@@ -64,7 +64,7 @@ def run_sandbox(
     from pipeline.db.connect import make_engine
     from pipeline.errors import ConfigurationError
     from pipeline.inbox.sandbox import SandboxOutcome, run_in_sandbox
-    from pipeline.runtime import event_source
+    from pipeline.signing import event_source
     from pipeline.tools.ops.audit import begin_action, count_affected
     from pipeline.tools.ops.dlq.events import load_events
     from pipeline.tools.ops.dlq.rate import TokenBucket
