@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import dramatiq
@@ -132,6 +133,36 @@ class DeadLetterUnknownActors(Middleware):
             log.exception("could not record a dead letter", extra={"queue": message.queue_name})
 
 
+def message_arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, int]:
+    """The envelopes and deferral count an inbox message carries: one positional argument
+    and at most a ``deferrals`` count. (None, 0) for arguments no inbox actor can take."""
+    deferrals = kwargs.get("deferrals", 0)
+    if (
+        len(args) != 1
+        or set(kwargs) - {"deferrals"}
+        or not isinstance(deferrals, int)
+        or isinstance(deferrals, bool)
+        or not 0 <= deferrals <= 1_000_000
+    ):
+        return None, 0
+    return args[0], deferrals
+
+
+def inbox_function(processor: InboxProcessor) -> Callable[..., None]:
+    """The function of a consumer's actor: takes whatever arguments a message carries (a
+    message is data, not a call the broker vouches for) and dead-letters those that do
+    not fit at once, instead of failing like an infrastructure error and being retried."""
+
+    def run(*args: Any, **kwargs: Any) -> None:
+        envelopes, deferrals = message_arguments(args, kwargs)
+        if envelopes is None:
+            processor.dead_letter_arguments(args, kwargs)
+            return
+        processor.handle(envelopes, deferrals)
+
+    return run
+
+
 def declare_inbox_actors(
     transport: Transport, settings: Settings, consumers: Registry, engine: ProcessEngine
 ) -> dict[str, dramatiq.Actor[Any, Any]]:
@@ -165,11 +196,8 @@ def declare_inbox_actors(
         if processor.policy.time_limit_ms is not None:
             options["time_limit"] = processor.policy.time_limit_ms
 
-        def run(envelopes: Any, deferrals: int = 0, processor: InboxProcessor = processor) -> None:
-            processor.handle(envelopes, deferrals)
-
         actor: dramatiq.Actor[Any, Any] = dramatiq.Actor(
-            run,
+            inbox_function(processor),
             broker=broker,
             actor_name=subscription.actor_name,
             queue_name=subscription.queue,

@@ -454,6 +454,15 @@ class InboxProcessor:
             },
         )
 
+    def dead_letter_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Dead-letter a message whose arguments this consumer's actor cannot take (none,
+        several, unknown keywords) at once: retrying it could never succeed."""
+        self._dead_letter_unreadable(
+            {"args": list(args), "kwargs": kwargs},
+            f"message arguments do not fit consumer {self.subscription.consumer!r}: expected "
+            "one list of CloudEvents envelopes (non-retryable)",
+        )
+
     def _dead_letter_unauthentic(self, envelope: Any, refused: str) -> None:
         """Keep a refused envelope for inspection, attributed to no event: whatever id it
         claims, it must not mark a real event dead nor count as that event's outcome."""

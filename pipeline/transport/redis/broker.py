@@ -49,6 +49,7 @@ from dramatiq.middleware import (
 from pipeline.backoff import Backoff
 from pipeline.config import Settings
 from pipeline.transport.base import UndecodableSink
+from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
 from pipeline.transport.redis.keys import acks_key, messages_key, queue_key, wake_key
 
 log = logging.getLogger("pipeline.transport.broker")
@@ -72,6 +73,10 @@ for _, id in ipairs(redis.call('smembers', KEYS[1])) do
 end
 return bare
 """
+UNACKNOWLEDGEABLE_REASON = (
+    f"a message without the {REDIS_MESSAGE_ID!r} option Dramatiq acknowledges it by "
+    "(not enqueued by a Dramatiq client)"
+)
 BARE_VALUE_REASON = (
     "a bare value on the queue, not a Dramatiq message (nothing was enqueued under it)"
 )
@@ -146,6 +151,11 @@ class WakeableRedisConsumer(_RedisConsumer):
                 except (DecodeError, UnicodeDecodeError, TypeError, KeyError) as exc:
                     self._discard_undecodable(data, f"undecodable message: {exc}")
                     continue
+                if not isinstance(message.options.get(REDIS_MESSAGE_ID), str):
+                    # Without it Dramatiq can neither acknowledge nor reject the message: it
+                    # would sit in the un-acked set and come back after every restart.
+                    self._discard_undecodable(data, UNACKNOWLEDGEABLE_REASON)
+                    continue
                 self.queued_message_ids.add(message.message_id)
                 return MessageProxy(message)
         except redis.RedisError as exc:
@@ -206,8 +216,20 @@ class WakeableRedisConsumer(_RedisConsumer):
                 )
 
     def _discard_undecodable(self, data: bytes, reason: str) -> None:
-        """Hand the raw bytes to the sink, then remove them from Redis (they can never run)."""
-        self.broker.undecodable_sink(self.queue_name, data, reason)
+        """Hand the raw bytes to the sink, then remove them from Redis (they can never run).
+
+        If the sink fails, the message stays in the un-acked set (requeued when this worker
+        stops) rather than being lost; it is removed only once it has been recorded.
+        """
+        try:
+            self.broker.undecodable_sink(self.queue_name, data, reason)
+        except Exception as exc:
+            log.error(
+                "could not dead-letter an unreadable message; "
+                "it returns to the queue when this worker stops",
+                extra={"queue": self.queue_name, "error_class": type(exc).__name__},
+            )
+            return
         acks = acks_key(self.broker.namespace, self.broker.broker_id, self.queue_name)
         messages = messages_key(self.broker.namespace, self.queue_name)
         for message_id in self.broker.client.smembers(acks):
