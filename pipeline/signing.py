@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,7 @@ from typing import Any
 from pipeline.config import MESSAGE_KEY_OFF, Settings
 from pipeline.envelope import OutboxEvent
 
+log = logging.getLogger("pipeline.signing")
 SIGNATURE_ATTRIBUTE = "pipelinesignature"
 UNSIGNED = "unsigned"  # reasons an envelope is refused (the metric's ``reason`` label)
 MISMATCH = "mismatch"
@@ -79,6 +81,13 @@ class MessageKeys:
             "can write to the broker can make handlers run; set the same key on relays and "
             "workers (or PIPELINE_MESSAGE_KEY=insecure to silence this), see docs/security.md"
         )
+
+
+def warn_if_unauthenticated(settings: Settings) -> None:
+    """Log one warning line when no message key is configured (relay and worker start)."""
+    warning = MessageKeys.from_settings(settings).warning()
+    if warning is not None:
+        log.warning(warning)
 
 
 def _key(value: Any) -> bytes | None:

@@ -278,6 +278,10 @@ def pipeline_env(settings: Settings, app: str, **extra: str) -> dict[str, str]:
     )
     for field in FIELDS_FOR_SUBPROCESSES:
         env[f"PIPELINE_{field.upper()}"] = str(getattr(settings, field))
+    for field in ("message_key", "message_key_previous"):
+        secret = getattr(settings, field)
+        if secret is not None:
+            env[f"PIPELINE_{field.upper()}"] = secret.get_secret_value()
     env.update(extra)
     return env
 

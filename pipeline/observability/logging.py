@@ -56,17 +56,35 @@ class ConsoleFormatter(logging.Formatter):
 class WithoutMessageBodies(logging.Filter):
     """Dramatiq logs a message by its ``str()``, which spells out its arguments — for the
     pipeline's actors, the events' payloads ("Failed to process message ..."). Such an
-    argument is replaced by the actor's name and the message id before formatting."""
+    argument is replaced by the actor's name and the message id before formatting.
+
+    Dramatiq's actors also log the arguments themselves at DEBUG ("Received args=...
+    kwargs=..."): in records of Dramatiq's loggers, any list, tuple or dict argument is
+    withheld too, so no payload reaches a log at any level.
+    """
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.args, tuple) and any(map(_is_message, record.args)):
-            record.args = tuple(
-                f"{getattr(arg, 'actor_name')} message {getattr(arg, 'message_id')}"  # noqa: B009
-                if _is_message(arg)
-                else arg
-                for arg in record.args
-            )
+        args = record.args
+        if not isinstance(args, tuple) or not args:
+            if isinstance(args, dict) and record.name.startswith("dramatiq"):
+                # One mapping argument (logging unpacks it): the template alone is logged.
+                record.msg, record.args = f"{record.msg} (arguments {WITHHELD})", None
+            return True
+        dramatiq_record = record.name.startswith("dramatiq")
+        if dramatiq_record or any(map(_is_message, args)):
+            record.args = tuple(_safe_argument(arg, dramatiq_record) for arg in args)
         return True
+
+
+WITHHELD = "<withheld>"
+
+
+def _safe_argument(arg: object, dramatiq_record: bool) -> object:
+    if _is_message(arg):
+        return f"{getattr(arg, 'actor_name')} message {getattr(arg, 'message_id')}"  # noqa: B009
+    if dramatiq_record and isinstance(arg, list | tuple | dict | set | frozenset):
+        return WITHHELD
+    return arg
 
 
 def _is_message(value: object) -> bool:

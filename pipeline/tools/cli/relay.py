@@ -58,11 +58,13 @@ def relay(
     from pipeline.readiness import wait_for_services
     from pipeline.relay.relay import Relay
     from pipeline.runtime import build_runtime
+    from pipeline.signing import warn_if_unauthenticated
 
     settings = settings_of(ctx, apps)
     settings.require_database_url()
     runtime = build_runtime(settings)  # import errors and bad settings: one line, here
     configure_logging(settings)
+    warn_if_unauthenticated(settings)
     stop = threading.Event()
     stop_on_signals(stop.set)
     try:

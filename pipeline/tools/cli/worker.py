@@ -53,6 +53,7 @@ def worker(
     from pipeline.registry import validate_queue_name
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.runtime import build_runtime
+    from pipeline.signing import warn_if_unauthenticated
 
     settings = settings_of(ctx, apps)
     settings.require_redis_url()
@@ -79,6 +80,7 @@ def worker(
         argv += ["--queues", queue]
     argv += _checked_dramatiq_args(dramatiq_args)
     configure_logging(settings)
+    warn_if_unauthenticated(settings)
     stop = threading.Event()
     stop_on_signals(stop.set)
     publishing = not queues or PUBLISH_QUEUE_NAME in queues

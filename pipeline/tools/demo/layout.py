@@ -10,6 +10,7 @@ use, and owns nothing).
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,9 @@ def plan_layout(
         schema_name=schema,
         redis_namespace=namespace,
         app_modules=APP_MODULE,
+        # Messages are authenticated as in production: a key of this run's own unless one
+        # is configured (relay, workers and the duplicate injector all sign or verify).
+        message_key=base.message_key or secrets.token_urlsafe(32),
     )
     setup["schemas"] = f"{schema} (pipeline), {app_schema} (orders, payments, stock, ...)"
     setup["redis keys"] = f"{namespace}:*"

@@ -91,6 +91,8 @@ def start_pipeline(
         PIPELINE_REDIS_NAMESPACE=settings.redis_namespace,
         PIPELINE_APP_MODULES=settings.app_modules,
     )
+    if settings.message_key is not None:
+        env["PIPELINE_MESSAGE_KEY"] = settings.message_key.get_secret_value()
     env.update(extra_env)
 
     def start(name: str, argv: list[str], env: dict[str, str], log: str) -> Child:
