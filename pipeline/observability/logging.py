@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from datetime import UTC, datetime
 from typing import Any
 
+import dramatiq
 from opentelemetry import trace
 
 from pipeline.config import Settings
@@ -59,24 +61,30 @@ class WithoutMessageBodies(logging.Filter):
     argument is replaced by the actor's name and the message id before formatting.
 
     Dramatiq's actors also log the arguments themselves at DEBUG ("Received args=...
-    kwargs=..."): in records of Dramatiq's loggers, any list, tuple or dict argument is
-    withheld too, so no payload reaches a log at any level.
+    kwargs=...", under a logger named after the actor's module): in records logged by
+    Dramatiq's code, any list, tuple or dict argument is withheld too, so no payload
+    reaches a log at any level.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:
         args = record.args
         if not isinstance(args, tuple) or not args:
-            if isinstance(args, dict) and record.name.startswith("dramatiq"):
+            if isinstance(args, dict) and _from_dramatiq(record):
                 # One mapping argument (logging unpacks it): the template alone is logged.
                 record.msg, record.args = f"{record.msg} (arguments {WITHHELD})", None
             return True
-        dramatiq_record = record.name.startswith("dramatiq")
+        dramatiq_record = _from_dramatiq(record)
         if dramatiq_record or any(map(_is_message, args)):
             record.args = tuple(_safe_argument(arg, dramatiq_record) for arg in args)
         return True
 
 
 WITHHELD = "<withheld>"
+_DRAMATIQ_DIR = os.path.dirname(dramatiq.__file__) + os.sep
+
+
+def _from_dramatiq(record: logging.LogRecord) -> bool:
+    return record.name.startswith("dramatiq") or record.pathname.startswith(_DRAMATIQ_DIR)
 
 
 def _safe_argument(arg: object, dramatiq_record: bool) -> object:

@@ -15,7 +15,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 import pytest
-import redis
 from dramatiq.message import Message
 
 from pipeline import NewEvent, Settings
@@ -103,8 +102,10 @@ def test_only_authentic_messages_run_and_the_others_are_dead_lettered_and_counte
     worker = start_worker(keyed, APP, log, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
     try:
         wait_until(
-            lambda: scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") >= 5
-            and scalar(engine, "SELECT count(*) FROM effects") >= 1,
+            lambda: (
+                scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") >= 5
+                and scalar(engine, "SELECT count(*) FROM effects") >= 1
+            ),
             timeout=60,
             alive=[worker],
         )

@@ -8,12 +8,18 @@ the un-acked set, where it would otherwise sit until the worker dies and then co
 
 from __future__ import annotations
 
+import json
+import uuid
+
+import pytest
 import redis
+from dramatiq.message import Message
 
 from pipeline import NewEvent, Settings
-from pipeline.transport.redis.keys import acks_key, queue_key
+from pipeline.transport.factory import open_transport
+from pipeline.transport.redis.keys import acks_key, messages_key, queue_key, wake_key
 from tests.integration.test_inbox import inbox_settings, publish_repeated, scalar
-from tests.support import produce, start_worker, stop_process, wait_until
+from tests.support import multiprocess_metric, produce, start_worker, stop_process, wait_until
 
 __all__ = ["inbox_settings"]  # the fixture, re-used from the inbox tests
 
@@ -59,3 +65,132 @@ def test_a_bare_value_on_a_queue_is_dead_lettered_with_its_raw_value(
     lines = [line for line in log.read_text().splitlines() if "not a Dramatiq message" in line]
     assert len(lines) == 1, log.read_text()[-3000:]
     assert "garbage" not in lines[0]  # the value is kept in Postgres, never logged
+
+
+def hand_written(client: redis.Redis, namespace: str, queue: str, body: dict | bytes) -> None:
+    """A message written straight into Dramatiq's keys, as anyone with Redis access can."""
+    message_id = str(uuid.uuid4())
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    client.hset(messages_key(namespace, queue), message_id, raw)
+    client.rpush(queue_key(namespace, queue), message_id)
+    client.lpush(wake_key(namespace, queue), "1")
+
+
+def dead_letters(engine) -> list[dict]:
+    return (
+        scalar(
+            engine,
+            "SELECT json_agg(json_build_object('reason', reason, 'raw', raw_message,"
+            " 'envelope', envelope, 'class', error_class) ORDER BY id) FROM pipeline.dead_letters",
+        )
+        or []
+    )
+
+
+def test_unacknowledgeable_and_nul_messages_are_dead_lettered_once_and_removed(
+    engine, inbox_settings: Settings, tmp_path
+):
+    """No ``redis_message_id`` (Dramatiq could not acknowledge it), NUL bytes in a bare value
+    and in an unparseable body: each recorded once, removed, and not back after a restart."""
+    client = redis.Redis.from_url(inbox_settings.require_redis_url())
+    namespace, queue = inbox_settings.redis_namespace, "pipeline.ledger"
+    envelope = {"specversion": "1.0", "id": str(uuid.uuid4()), "type": "entry.booked"}
+    hand_written(
+        client,
+        namespace,
+        queue,
+        {
+            "queue_name": queue,
+            "actor_name": "pipeline_inbox_ledger",
+            "args": [[{**envelope, "source": "/x", "data": {"order_id": "no-redis-id"}}]],
+            "kwargs": {},
+            "options": {},
+            "message_id": str(uuid.uuid4()),
+            "message_timestamp": 0,
+        },
+    )
+    hand_written(client, namespace, queue, b"not json \x00 with a NUL")
+    client.lpush(queue_key(namespace, queue), b"bare\x00value")
+    try:
+        for run in range(2):  # the second worker finds nothing left to dead-letter
+            log = tmp_path / f"worker-{run}.log"
+            worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
+            try:
+                wait_until(lambda: len(dead_letters(engine)) >= 3, timeout=30, alive=[worker])
+                wait_until(lambda: not any(acks_sets(client, namespace, queue).values()))
+                assert client.hlen(messages_key(namespace, queue)) == 0
+                assert client.llen(queue_key(namespace, queue)) == 0
+            finally:
+                stop_process(worker)
+            assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+            assert "no-redis-id" not in log.read_text()
+    finally:
+        client.close()
+    letters = dead_letters(engine)
+    assert len(letters) == 3, letters
+    [unacknowledgeable] = [r["reason"] for r in letters if "'redis_message_id'" in r["reason"]]
+    assert "not enqueued by a Dramatiq client" in unacknowledgeable
+    raws = sorted(letter["raw"] for letter in letters)
+    assert "bare\\x00value" in raws
+    assert "not json \\x00 with a NUL" in raws
+    assert any("no-redis-id" in raw for raw in raws)
+    assert scalar(engine, "SELECT count(*) FROM effects") == 0  # no handler ran
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [([], {}), ([[], []], {}), ([[]], {"surprise": 1}), ([[]], {"deferrals": "x"})],
+    ids=["no-arguments", "two-arguments", "unknown-keyword", "bad-deferrals"],
+)
+def test_arguments_a_consumer_cannot_take_are_dead_lettered_at_once(
+    engine, inbox_settings: Settings, tmp_path, args, kwargs
+):
+    transport = open_transport(inbox_settings, middleware=[])
+    try:
+        transport.broker.enqueue(
+            Message(
+                queue_name="pipeline.ledger",
+                actor_name="pipeline_inbox_ledger",
+                args=tuple(args),
+                kwargs=kwargs,
+                options={},
+            )
+        )
+    finally:
+        transport.close()
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    log = tmp_path / "worker.log"
+    worker = start_worker(
+        inbox_settings, APP, log, processes=1, threads=2, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)
+    )
+    try:
+        wait_until(lambda: len(dead_letters(engine)) >= 1, timeout=30, alive=[worker])
+        produce(engine, [NewEvent("entry.booked", {"order_id": "after"})])
+        publish_repeated(inbox_settings, times=1)  # the worker still works afterwards
+        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, alive=[worker])
+    finally:
+        stop_process(worker)
+    [letter] = dead_letters(engine)
+    assert "message arguments do not fit consumer 'ledger'" in letter["reason"]
+    assert "non-retryable" in letter["reason"]
+    assert letter["envelope"] == {"args": args, "kwargs": kwargs}
+    retried = multiprocess_metric(metrics_dir, "pipeline_inbox_infrastructure_retries_total")
+    assert retried == 0
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def test_no_payload_reaches_the_logs_at_debug(engine, inbox_settings: Settings, tmp_path):
+    """Dramatiq's own DEBUG lines ("Received args=...") included, through a real worker."""
+    marker = "payload-marker-5c1d"
+    produce(engine, [NewEvent("entry.booked", {"order_id": marker})])
+    publish_repeated(inbox_settings, times=1)
+    log = tmp_path / "worker.log"
+    worker = start_worker(inbox_settings, APP, log, PIPELINE_LOG_LEVEL="DEBUG")
+    try:
+        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, alive=[worker])
+    finally:
+        stop_process(worker)
+    text = log.read_text()
+    assert "Received args=" in text  # Dramatiq's DEBUG line is there, without its arguments
+    assert marker not in text
