@@ -184,6 +184,8 @@ BAD_VALUES = {
     "prune_batch_size": "0",
     "backlog_warn": "-1",
     "backlog_limit": "many",
+    "message_key": "too-short-a-secret",
+    "message_key_previous": "too-short-a-secret",
 }
 
 
