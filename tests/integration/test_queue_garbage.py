@@ -90,8 +90,9 @@ def dead_letters(engine) -> list[dict]:
 def test_unacknowledgeable_and_nul_messages_are_dead_lettered_once_and_removed(
     engine, inbox_settings: Settings, tmp_path
 ):
-    """No ``redis_message_id`` (Dramatiq could not acknowledge it), NUL bytes in a bare value
-    and in an unparseable body: each recorded once, removed, and not back after a restart."""
+    """No ``redis_message_id`` (Dramatiq could not acknowledge it), arguments of the wrong
+    shape, NUL bytes in a bare value and in an unparseable body: each recorded once,
+    removed, and not back after a restart."""
     client = redis.Redis.from_url(inbox_settings.require_redis_url())
     namespace, queue = inbox_settings.redis_namespace, "pipeline.ledger"
     envelope = {"specversion": "1.0", "id": str(uuid.uuid4()), "type": "entry.booked"}
@@ -109,6 +110,9 @@ def test_unacknowledgeable_and_nul_messages_are_dead_lettered_once_and_removed(
             "message_timestamp": 0,
         },
     )
+    shapes = {"queue_name": queue, "actor_name": "pipeline_inbox_ledger", "message_id": "m"}
+    hand_written(client, namespace, queue, {**shapes, "args": [], "kwargs": [], "options": {}})
+    hand_written(client, namespace, queue, {**shapes, "args": [], "kwargs": {}, "options": "o"})
     hand_written(client, namespace, queue, b"not json \x00 with a NUL")
     client.lpush(queue_key(namespace, queue), b"bare\x00value")
     try:
@@ -116,7 +120,7 @@ def test_unacknowledgeable_and_nul_messages_are_dead_lettered_once_and_removed(
             log = tmp_path / f"worker-{run}.log"
             worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
             try:
-                wait_until(lambda: len(dead_letters(engine)) >= 3, timeout=30, alive=[worker])
+                wait_until(lambda: len(dead_letters(engine)) >= 5, timeout=30, alive=[worker])
                 wait_until(lambda: not any(acks_sets(client, namespace, queue).values()))
                 assert client.hlen(messages_key(namespace, queue)) == 0
                 assert client.llen(queue_key(namespace, queue)) == 0
@@ -127,9 +131,11 @@ def test_unacknowledgeable_and_nul_messages_are_dead_lettered_once_and_removed(
     finally:
         client.close()
     letters = dead_letters(engine)
-    assert len(letters) == 3, letters
-    [unacknowledgeable] = [r["reason"] for r in letters if "'redis_message_id'" in r["reason"]]
-    assert "not enqueued by a Dramatiq client" in unacknowledgeable
+    assert len(letters) == 5, letters
+    unacknowledgeable = [r["reason"] for r in letters if "'redis_message_id'" in r["reason"]]
+    assert len(unacknowledgeable) == 2  # no such option, or no options object at all
+    assert "not enqueued by a Dramatiq client" in unacknowledgeable[0]
+    assert sum("kwargs not an object" in letter["reason"] for letter in letters) == 1
     raws = sorted(letter["raw"] for letter in letters)
     assert "bare\\x00value" in raws
     assert "not json \\x00 with a NUL" in raws

@@ -82,6 +82,21 @@ BARE_VALUE_REASON = (
 )
 
 
+def _malformed(message: Message[Any]) -> str | None:
+    """Why Dramatiq could not run or settle a decoded message, or None if it can."""
+    if not isinstance(message.options, dict) or not isinstance(
+        message.options.get(REDIS_MESSAGE_ID), str
+    ):
+        # Without it Dramatiq can neither acknowledge nor reject the message: it would sit
+        # in the un-acked set and come back after every restart.
+        return UNACKNOWLEDGEABLE_REASON
+    if not isinstance(message.args, list | tuple) or not isinstance(message.kwargs, dict):
+        return "undecodable message: its args are not a list or its kwargs not an object"
+    if not all(isinstance(name, str) for name in (message.queue_name, message.actor_name)):
+        return "undecodable message: its queue or actor name is not a string"
+    return None
+
+
 class RedisOutage:
     """A worker process's view of Redis being down, shared by all its consumers.
 
@@ -151,10 +166,9 @@ class WakeableRedisConsumer(_RedisConsumer):
                 except (DecodeError, UnicodeDecodeError, TypeError, KeyError) as exc:
                     self._discard_undecodable(data, f"undecodable message: {exc}")
                     continue
-                if not isinstance(message.options.get(REDIS_MESSAGE_ID), str):
-                    # Without it Dramatiq can neither acknowledge nor reject the message: it
-                    # would sit in the un-acked set and come back after every restart.
-                    self._discard_undecodable(data, UNACKNOWLEDGEABLE_REASON)
+                malformed = _malformed(message)
+                if malformed is not None:
+                    self._discard_undecodable(data, malformed)
                     continue
                 self.queued_message_ids.add(message.message_id)
                 return MessageProxy(message)
