@@ -67,9 +67,14 @@ def test_a_bare_value_on_a_queue_is_dead_lettered_with_its_raw_value(
     assert "garbage" not in lines[0]  # the value is kept in Postgres, never logged
 
 
-def hand_written(client: redis.Redis, namespace: str, queue: str, body: dict | bytes) -> None:
-    """A message written straight into Dramatiq's keys, as anyone with Redis access can."""
+def hand_written(
+    client: redis.Redis, namespace: str, queue: str, body: dict | bytes, *, with_id: bool = False
+) -> None:
+    """A message written straight into Dramatiq's keys, as anyone with Redis access can
+    (``with_id``: with the ``redis_message_id`` option Dramatiq acknowledges it by)."""
     message_id = str(uuid.uuid4())
+    if with_id and isinstance(body, dict):
+        body = {**body, "options": {"redis_message_id": message_id}}
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     client.hset(messages_key(namespace, queue), message_id, raw)
     client.rpush(queue_key(namespace, queue), message_id)
@@ -111,7 +116,7 @@ def test_unacknowledgeable_and_nul_messages_are_dead_lettered_once_and_removed(
         },
     )
     shapes = {"queue_name": queue, "actor_name": "pipeline_inbox_ledger", "message_id": "m"}
-    hand_written(client, namespace, queue, {**shapes, "args": [], "kwargs": [], "options": {}})
+    hand_written(client, namespace, queue, {**shapes, "args": [], "kwargs": []}, with_id=True)
     hand_written(client, namespace, queue, {**shapes, "args": [], "kwargs": {}, "options": "o"})
     hand_written(client, namespace, queue, b"not json \x00 with a NUL")
     client.lpush(queue_key(namespace, queue), b"bare\x00value")
