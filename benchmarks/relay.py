@@ -63,7 +63,7 @@ from pipeline.outbox import NewEvent, add_events
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.relay.relay import Relay, Waker
-from pipeline.signing import event_source
+from pipeline.signing import EnvelopeSigner, event_source
 from pipeline.transport.publisher import Delivery
 from pipeline.transport.redis import keys
 from pipeline.transport.redis.broker import make_broker
@@ -104,8 +104,11 @@ def registry_for() -> Registry:
 
 
 def make_publisher(settings: Settings) -> DramatiqRedisPublisher:
-    """A fresh broker and publisher (each instrumented run wraps its own instance)."""
-    return DramatiqRedisPublisher(make_broker(settings), event_source(settings))
+    """A fresh broker and publisher (each instrumented run wraps its own instance); it signs
+    as the relay does when ``PIPELINE_MESSAGE_KEY`` is set."""
+    source = event_source(settings)
+    signer = EnvelopeSigner.from_settings(settings, source)
+    return DramatiqRedisPublisher(make_broker(settings), source, signer=signer)
 
 
 @dataclass
