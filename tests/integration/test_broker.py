@@ -48,6 +48,12 @@ def count_calls(broker: PipelineRedisBroker) -> list[str]:
     return calls
 
 
+def encoded(argument: int, redis_id: str) -> bytes:
+    """A message as Dramatiq's enqueue writes it: with the id it is acknowledged by."""
+    body: bytes = Message(QUEUE, "noop", (argument,), {}, {REDIS_MESSAGE_ID: redis_id}).encode()
+    return body
+
+
 def next_message(consumer: Any, timeout: float = 10) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -128,7 +134,7 @@ def test_a_wait_that_times_out_still_fetches_what_came_without_a_wake_up(broker)
     try:
         assert next(consumer) is None  # the first call fetches; the queue is empty
         assert next(consumer) is None  # a wait that times out, and an empty fetch
-        broker.do_enqueue(QUEUE, "raw-id", Message(QUEUE, "noop", (3,), {}, {}).encode())
+        broker.do_enqueue(QUEUE, "raw-id", encoded(3, "raw-id"))
         message = next_message(consumer)
         assert message.args == (3,)
         assert calls[0] == "fetch"
@@ -141,7 +147,7 @@ def test_a_wait_that_times_out_still_fetches_what_came_without_a_wake_up(broker)
 
 def test_a_full_fetch_passes_a_wake_up_on_to_the_next_consumer(broker):
     for n in range(6):
-        broker.do_enqueue(QUEUE, f"id-{n}", Message(QUEUE, "noop", (n,), {}, {}).encode())
+        broker.do_enqueue(QUEUE, f"id-{n}", encoded(n, f"id-{n}"))
     calls = count_calls(broker)
     consumer = broker.consume(QUEUE, prefetch=4, timeout=1000)
     try:
@@ -155,7 +161,7 @@ def test_a_full_fetch_passes_a_wake_up_on_to_the_next_consumer(broker):
 def test_a_fetch_cut_at_dramatiqs_unpack_limit_passes_a_wake_up_on(broker, monkeypatch):
     """Dramatiq's script returns at most its unpack limit: that is not an empty queue."""
     for n in range(5):
-        broker.do_enqueue(QUEUE, f"id-{n}", Message(QUEUE, "noop", (n,), {}, {}).encode())
+        broker.do_enqueue(QUEUE, f"id-{n}", encoded(n, f"id-{n}"))
     monkeypatch.setattr(broker, "_max_unpack_size", lambda: 3)
     calls = count_calls(broker)
     consumer = broker.consume(QUEUE, prefetch=10, timeout=1000)
