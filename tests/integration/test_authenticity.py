@@ -93,7 +93,11 @@ def test_only_authentic_messages_run_and_the_others_are_dead_lettered_and_counte
     forged_signed = dict(forged_unsigned, pipelinesignature="0" * 64)  # a guessed signature
     other_schema = signed_envelope(made_up_event("other-schema"), KEY, "/pipeline/elsewhere")
     other_key = signed_envelope(made_up_event("other-key"), OTHER_KEY, event_source(keyed))
-    for envelope in (altered, forged_unsigned, forged_signed, other_schema, other_key):
+    # Text Postgres cannot store as such: a NUL (escaped) and a lone surrogate (kept as text).
+    unstorable = dict(forged_signed, data={"order_id": "unstorable", "nul": "a\x00b"})
+    surrogate = dict(forged_signed, data={"order_id": "surrogate", "text": "\ud800"})
+    envelopes = (altered, forged_unsigned, forged_signed, other_schema, other_key)
+    for envelope in (*envelopes, unstorable, surrogate):
         enqueue(keyed, [envelope])
 
     metrics_dir = tmp_path / "metrics"
@@ -118,16 +122,22 @@ def test_only_authentic_messages_run_and_the_others_are_dead_lettered_and_counte
     letters = scalar(
         engine,
         "SELECT json_agg(json_build_object('reason', reason, 'class', error_class,"
-        " 'event', event_id, 'envelope', envelope, 'consumer', consumer) ORDER BY id)"
-        " FROM pipeline.dead_letters",
+        " 'event', event_id, 'envelope', envelope, 'consumer', consumer, 'raw', raw_message)"
+        " ORDER BY id) FROM pipeline.dead_letters",
     )
-    assert len(letters) == 5
+    assert len(letters) == 7
+    [kept_as_text] = [letter for letter in letters if letter["envelope"] is None]
+    assert '"surrogate"' in kept_as_text["raw"] and "\\ud800" in kept_as_text["raw"]
+    [escaped] = [letter for letter in letters if "unstorable" in json.dumps(letter["envelope"])]
+    assert escaped["envelope"]["data"]["nul"] == "a\\x00b"
     assert {letter["class"] for letter in letters} == {"UnauthenticMessage"}
     assert all(letter["reason"].startswith("unauthentic:") for letter in letters)
     assert all(letter["event"] is None for letter in letters)  # attributed to no event
     assert all(letter["consumer"] == CONSUMER for letter in letters)
-    kept = sorted(letter["envelope"]["data"]["order_id"] for letter in letters)
-    assert kept == ["altered", "forged", "forged", "other-key", "other-schema"]
+    kept = sorted(
+        letter["envelope"]["data"]["order_id"] for letter in letters if letter["envelope"]
+    )
+    assert kept == ["altered", "forged", "forged", "other-key", "other-schema", "unstorable"]
     unsigned = [letter for letter in letters if "no signature" in letter["reason"]]
     assert len(unsigned) == 1
     # The genuine event is processed, not dead, for all the altered copy claimed its id.
@@ -138,7 +148,7 @@ def test_only_authentic_messages_run_and_the_others_are_dead_lettered_and_counte
             metrics_dir, "pipeline_unauthentic_messages_total", consumer=CONSUMER, reason=reason
         )
 
-    assert refused("mismatch") == 4
+    assert refused("mismatch") == 6
     assert refused("unsigned") == 1
     assert "PIPELINE_MESSAGE_KEY is not set" not in log.read_text()
 
