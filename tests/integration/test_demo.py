@@ -135,10 +135,10 @@ def server_dirs(processes: set[tuple[int, int]]) -> set[Path]:
 class RunningDemo:
     """``pipeline demo`` in the background, its stderr (and stdout if asked) collected."""
 
-    def __init__(self, *args: str, stdout: bool = False) -> None:
+    def __init__(self, *args: str, stdout: bool = False, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
             demo_command(*args),
-            env=clean_env(),
+            env={**clean_env(), **(env or {})},
             stdout=subprocess.PIPE if stdout else subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -203,12 +203,39 @@ def kept_demo() -> Iterator[KeptDemo]:
     Its summary (the run) and its Prometheus set-up (what it leaves up afterwards) are two
     different things of one run, so they share it: a demo run is the expensive part.
     """
-    demo = RunningDemo("--events", "200", "--json", "--keep-running", stdout=True)
+    demo = RunningDemo(
+        "--events",
+        "200",
+        "--json",
+        "--keep-running",
+        stdout=True,
+        env={"PIPELINE_LOG_LEVEL": "DEBUG"},  # payloads must stay out of logs at any level
+    )
     try:
         demo.wait_for("--config.file=", timeout=DEMO_TIMEOUT)
         yield KeptDemo(demo, json.loads(demo.stdout_document()))
     finally:
         demo.finish()
+
+
+@pytest.mark.xdist_group("kept_demo")
+def test_the_demo_at_debug_logs_no_payload(kept_demo: KeptDemo) -> None:
+    """The relay's and workers' DEBUG logs, Dramatiq's own lines included, carry no payload:
+    the customer ids and amounts exist only in the events' data."""
+    # With --json the demo names its directory only in the Prometheus set-up it leaves.
+    config = next(
+        Path(m.group(1))
+        for line in kept_demo.demo.seen
+        if (m := re.search(r"--config\.file=(\S+)", line))
+    )
+    log_dir = config.parent.parent  # <log dir>/prometheus/prometheus.yml
+    logs = {path.name: path.read_text() for path in log_dir.glob("*.log")}
+    assert {"relay.log", "worker.log"} <= set(logs), sorted(logs)
+    assert "Received args=" in logs["worker.log"]  # Dramatiq's DEBUG line, arguments withheld
+    for name, text in logs.items():
+        for marker in ("cus_", "amount_cents", "sku-"):
+            assert marker not in text, (name, marker)
+    assert "cus_" not in kept_demo.demo.output()
 
 
 def wait_gone(
