@@ -115,6 +115,11 @@ redeliveries = Counter(
     "Deliveries the relay's ledger sweep sent again: no outcome within the redelivery horizon.",
     ["consumer"],
 )
+broker_memory_lost = Counter(
+    "pipeline_broker_memory_lost_total",
+    "Times a relay found that the broker had lost its messages (a Redis restarted empty); "
+    "what was owed was sent again at once.",
+)
 inbox_infrastructure_retries = Counter(
     "pipeline_inbox_infrastructure_retries_total",
     "Messages a worker failed on an infrastructure error (database, broker, crash) and retries.",

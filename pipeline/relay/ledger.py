@@ -19,6 +19,11 @@ copies of its backlog. Rows a worker holds (it is processing them) are skipped, 
 ordered consumers' later events wait behind a predecessor that is still on its way.
 The inbox absorbs any copy that was not needed after all. One relay sweeps at a time
 (an advisory lock), every ``PIPELINE_RECONCILE_INTERVAL_SECONDS``.
+
+When the transport says it lost what it held (:meth:`Publisher.forgot`: a Redis that
+restarted empty), the next sweep does not wait for the horizon: every unfinished delivery
+handed over before then is owed at once (a worker that holds one still skips it, and
+what was sent after the loss waits on its queue, younger than the cutoff).
 """
 
 from __future__ import annotations
@@ -78,22 +83,31 @@ class DeliveryLedger:
         self.publisher = publisher
         self.store = LedgerStore(settings.schema_name)
 
-    def sweep(self, conn: psycopg.Connection[Any]) -> SweepResult:
-        """One sweep in one transaction; raises if Postgres or the broker fails (nothing lost)."""
+    def sweep(self, conn: psycopg.Connection[Any], *, forgotten: bool = False) -> SweepResult:
+        """One sweep in one transaction; raises if Postgres or the broker fails (nothing lost).
+
+        ``forgotten``: the transport lost its messages, so what is owed is owed now, not
+        after the horizon.
+        """
         result = SweepResult()
         with conn.transaction():
             if not self.store.lock(conn):
                 result.skipped = True
                 return result
-            swept_to, until = self.store.window(conn, redelivery_horizon(self.settings))
+            horizon = 0.0 if forgotten else redelivery_horizon(self.settings)
+            swept_to, until = self.store.window(conn, horizon)
             if until > swept_to:
                 result.accounted = self.store.account(conn, swept_to - SWEEP_OVERLAP, until)
                 self.store.advance(conn, until)
-            self._redeliver(conn, until, result)
+            self._redeliver(conn, until, result, forgotten)
         return result
 
     def _redeliver(
-        self, conn: psycopg.Connection[Any], horizon_cutoff: datetime, result: SweepResult
+        self,
+        conn: psycopg.Connection[Any],
+        horizon_cutoff: datetime,
+        result: SweepResult,
+        forgotten: bool,
     ) -> None:
         subscriptions = {s.consumer: s for s in self.registry.all()}
         if not subscriptions:
@@ -142,7 +156,7 @@ class DeliveryLedger:
             self.store.redelivered(
                 conn, [(subscription.consumer, event.id) for subscription, event in sent]
             )
-        self._count(sent, result)
+        self._count(sent, result, forgotten)
 
     def _record_vanished(
         self,
@@ -157,13 +171,16 @@ class DeliveryLedger:
             extra={"count": len(vanished)},
         )
 
-    def _count(self, sent: list[tuple[Subscription, OutboxEvent]], result: SweepResult) -> None:
+    def _count(
+        self, sent: list[tuple[Subscription, OutboxEvent]], result: SweepResult, forgotten: bool
+    ) -> None:
         for subscription, _ in sent:
             result.redelivered[subscription.consumer] += 1
+        why = "the broker lost them" if forgotten else "no outcome within the redelivery horizon"
         for consumer, count in result.redelivered.items():
             metrics.redeliveries.labels(consumer).inc(count)
             log.warning(
-                "delivered events again: no outcome within the redelivery horizon",
+                f"delivered events again: {why}",
                 extra={
                     "consumer": consumer,
                     "count": count,

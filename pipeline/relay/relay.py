@@ -183,6 +183,7 @@ class Relay:
         self._next_canary = 0.0  # the first canary goes out at start-up
         self.ledger = DeliveryLedger(settings, registry, publisher)
         self._next_sweep = 0.0
+        self._forgotten = False  # the broker lost its messages; the next sweep ignores the horizon
         self._backoff = Backoff(FIRST_RETRY, settings.reconnect_backoff_max)
         self.janitor = Janitor(settings, registry, self.stop)  # prunes on its own thread
         self.backlog = BacklogMonitor(settings)
@@ -289,8 +290,24 @@ class Relay:
         error is logged and the sweep tried again next interval, never stopping publishing.
         """
         self._next_sweep = time.monotonic() + self.settings.reconcile_interval_seconds
+        if self.publisher.forgot():
+            self._forgotten = True
+            if self.cycles:
+                metrics.broker_memory_lost.inc()
+                log.warning(
+                    "the broker lost its messages (its memory marker is gone): sending what "
+                    "consumers are owed now, not after the redelivery horizon",
+                    extra={"relay_id": self.relay_id},
+                )
+            else:  # at start: a new broker, or one that lost its messages while no relay ran
+                log.info(
+                    "the broker had no memory marker yet: sending what consumers are owed now",
+                    extra={"relay_id": self.relay_id},
+                )
         try:
-            self.ledger.sweep(conn)
+            result = self.ledger.sweep(conn, forgotten=self._forgotten)
+            if not result.skipped:
+                self._forgotten = False  # another relay's sweep would not have known
         except psycopg.OperationalError:
             raise
         except psycopg.Error as exc:

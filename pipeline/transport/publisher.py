@@ -53,4 +53,10 @@ class Publisher(Protocol):
         over, or None when none waits (the ledger sweep leaves younger deliveries alone)."""
         ...
 
+    def forgot(self) -> bool:
+        """Whether the transport has lost what it held since this was last asked (a broker
+        restarted empty): the ledger then sends what is owed at once instead of after the
+        horizon. False when the transport cannot tell; the horizon remains the backstop."""
+        ...
+
     def close(self) -> None: ...

@@ -203,6 +203,57 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
     assert redelivered >= len(orders)
 
 
+def test_a_redis_that_restarts_empty_is_noticed_and_owed_deliveries_are_sent_at_once(
+    engine, chaos_settings, tmp_path
+):
+    """Redis restarts without persistence under a running relay, its messages gone: the
+    relay notices (its marker key vanished) and sends what is owed at once, long before
+    the redelivery horizon (set to ten minutes here) would have."""
+    orders = [f"amnesia-{i}" for i in range(soak(50, 300))]
+    with EmbeddedRedis(tmp_path / "redis") as redis_server:
+        settings = chaos_settings.replace(
+            redis_url=redis_server.url, redelivery_horizon_seconds=600.0
+        )
+        relay = start_relay(settings, APP, tmp_path / "relay.log")
+        workers = None
+        try:
+            place_orders(engine, orders)
+            wait_until(
+                lambda: (
+                    scalar(engine, "SELECT count(*) FROM pipeline.outbox WHERE status = 'sent'")
+                    == len(orders)
+                ),
+                timeout=60,
+                progress=lambda: scalar(engine, "SELECT count(*) FROM pipeline.outbox"),
+                alive=[relay],
+            )
+            redis_server.kill()  # no persistence: every message is gone
+            redis_server.start()
+            wait_until(
+                lambda: "the broker lost its messages" in (tmp_path / "relay.log").read_text(),
+                timeout=60,
+                alive=[relay],
+            )
+            workers = start_worker(settings, APP, tmp_path / "worker.log", 1, 4)
+            wait_until(
+                lambda: len(stage_counts(engine, "notifications")) == len(orders),
+                timeout=60,
+                interval=0.5,
+                progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
+                alive=[relay, workers],
+            )
+        finally:
+            if workers is not None:
+                stop_process(workers)
+            stop_process(relay)
+    assert_each_stage_once(engine, orders)
+    redelivered = scalar(
+        engine, "SELECT sum(redeliveries) FROM pipeline.inbox WHERE consumer = 'payments'"
+    )
+    assert redelivered == len(orders)  # each lost delivery sent again once, none twice
+    assert (tmp_path / "relay.log").read_text().count("the broker lost its messages") == 1
+
+
 def seq_log(engine) -> dict[str, list[int]]:
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT ordering_key, n FROM seq_log ORDER BY id")).all()

@@ -315,6 +315,9 @@ class FailFor:
     def oldest_waiting(self, queue: str):
         return self.inner.oldest_waiting(queue)
 
+    def forgot(self) -> bool:
+        return self.inner.forgot()
+
     def close(self) -> None:
         pass
 

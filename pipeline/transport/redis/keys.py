@@ -46,6 +46,12 @@ def wake_key(namespace: str, queue_name: str) -> str:
     return f"{namespace}:pipeline-wake:{queue_name}"
 
 
+def memory_key(namespace: str) -> str:
+    """The pipeline's marker of what Redis remembers: set once, gone when Redis lost its data
+    (restarted without persistence, flushed, failed over to an empty replica)."""
+    return f"{namespace}:pipeline-memory"
+
+
 def queue_of_messages_key(namespace: str, key: str) -> str | None:
     """The queue whose messages a ``<ns>:<name>.msgs`` key holds, or None for Dramatiq's
     own bookkeeping keys (``__acks__``, ``__heartbeats__``) and foreign keys.

@@ -16,6 +16,7 @@ from pipeline.errors import PermanentPublishError, PublisherUnavailable
 from pipeline.signing import EnvelopeSigner, MessageKeys
 from pipeline.transport.publisher import Delivery
 from pipeline.transport.redis.encoding import message_json
+from pipeline.transport.redis.keys import memory_key
 
 
 def unavailable(exc: BaseException) -> PublisherUnavailable:
@@ -127,6 +128,24 @@ class DramatiqRedisPublisher:
         except redis.RedisError as exc:
             raise unavailable(exc) from exc
         return waiting
+
+    def forgot(self) -> bool:
+        """Set the memory marker unless it is there (``SET NX``); True when this call set it.
+
+        The marker lives as long as Redis keeps its data, so finding it gone means Redis
+        lost whatever it held: restarted without persistence, flushed, or an empty replica
+        promoted. Exactly one caller sees each loss (the one whose ``SET NX`` won), which
+        keeps a fleet of relays to one early sweep. The very first call against a Redis
+        that never had the marker also answers True: nothing is owed yet on a new
+        deployment, and what a Redis forgot while no relay ran is owed at once.
+        """
+        try:
+            created = self.broker.client.set(
+                memory_key(self.broker.namespace), str(uuid.uuid4()), nx=True
+            )
+        except redis.RedisError as exc:
+            raise unavailable(exc) from exc
+        return bool(created)
 
     def close(self) -> None:
         self.broker.client.close()
