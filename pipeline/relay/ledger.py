@@ -23,7 +23,9 @@ The inbox absorbs any copy that was not needed after all. One relay sweeps at a 
 When the transport says it lost what it held (:meth:`Publisher.forgot`: a Redis that
 restarted empty), the next sweep does not wait for the horizon: every unfinished delivery
 handed over before then is owed at once (a worker that holds one still skips it, and
-what was sent after the loss waits on its queue, younger than the cutoff).
+what was sent after the loss waits on its queue, younger than the cutoff). The clock
+margin is dropped then: the last second before the loss was lost too, and a copy too many
+is absorbed by the inbox, where one too few would wait for the horizon.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ class DeliveryLedger:
         cutoffs = []
         for name in names:
             waiting = self.publisher.oldest_waiting(subscriptions[name].queue)
-            if waiting is not None:  # enqueued on another clock: leave it a margin
+            if waiting is not None and not forgotten:  # enqueued on another clock: a margin
                 waiting -= CLOCK_MARGIN
             cutoffs.append(horizon_cutoff if waiting is None else min(horizon_cutoff, waiting))
         rows = self.store.owed(
