@@ -276,9 +276,9 @@ class Settings(BaseSettings):
     @classmethod
     def _redis_url(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and not value.get_secret_value().startswith(
-            ("redis://", "rediss://", "unix://")
+            ("redis://", "rediss://", "unix://", "redis+sentinel://")
         ):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+            raise ValueError("must start with redis://, rediss://, unix:// or redis+sentinel://")
         return value
 
     @field_validator("message_key", "message_key_previous")

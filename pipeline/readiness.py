@@ -25,6 +25,7 @@ from pipeline.db.connect import connect, describe_server, driver_reason, schema_
 from pipeline.db.migrate import available_migrations
 from pipeline.db.privileges import require_privileges
 from pipeline.errors import ServiceUnavailableError
+from pipeline.transport.redis.client import redis_client
 
 log = logging.getLogger("pipeline.readiness")
 FIRST_WAIT = 0.5
@@ -67,9 +68,7 @@ def postgres_problem(settings: Settings) -> str | None:
 def redis_problem(settings: Settings) -> str | None:
     """Why Redis cannot be used yet, or None."""
     url = settings.require_redis_url()
-    client = redis.Redis.from_url(
-        url, socket_timeout=CHECK_TIMEOUT, socket_connect_timeout=CHECK_TIMEOUT
-    )
+    client = redis_client(url, CHECK_TIMEOUT)
     try:
         client.ping()
     except redis.RedisError as exc:

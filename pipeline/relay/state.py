@@ -31,14 +31,13 @@ from pipeline.errors import MigrationError, ServiceUnavailableError
 from pipeline.policy import redelivery_horizon
 from pipeline.transport.base import QueueDepth, Transport, delay_queue_name
 from pipeline.transport.factory import open_transport
+from pipeline.transport.redis.client import redis_client as client_for_url
 
 log = logging.getLogger("pipeline.state")
 
 
 def redis_client(settings: Settings, timeout: float = 5.0) -> redis.Redis:
-    return redis.Redis.from_url(
-        settings.require_redis_url(), socket_timeout=timeout, socket_connect_timeout=timeout
-    )
+    return client_for_url(settings.require_redis_url(), timeout)
 
 
 class StateCollector(Collector):

@@ -15,7 +15,7 @@ from pipeline.config import Settings
 from pipeline.errors import ConfigurationError
 from pipeline.transport.base import Transport
 
-REDIS_SCHEMES = frozenset({"redis", "rediss", "unix"})
+REDIS_SCHEMES = frozenset({"redis", "rediss", "unix", "redis+sentinel"})
 
 
 def transport_class(url: str) -> type[Transport]:

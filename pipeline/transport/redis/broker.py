@@ -49,6 +49,7 @@ from dramatiq.middleware import (
 from pipeline.backoff import Backoff
 from pipeline.config import Settings
 from pipeline.transport.base import UndecodableSink
+from pipeline.transport.redis.client import redis_client
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
 from pipeline.transport.redis.keys import acks_key, messages_key, queue_key, wake_key
 
@@ -361,7 +362,8 @@ class PipelineRedisBroker(RedisBroker):
 def make_broker(
     settings: Settings, middleware: list[Any] | None = None, *, timeout: float | None = None
 ) -> PipelineRedisBroker:
-    """A broker for the configured Redis (``redis://``, ``rediss://`` TLS, or ``unix://``).
+    """A broker for the configured Redis (``redis://``, ``rediss://`` TLS, ``unix://``, or
+    ``redis+sentinel://``: see :mod:`.client`).
 
     Dramatiq's Retries middleware sends a message whose actor raised back to the queue
     with exponential backoff (without it, Dramatiq 2 acknowledges the message and it is
@@ -385,19 +387,12 @@ def make_broker(
             Retries(),
         ]
     )
-    url = settings.require_redis_url()
-    connection: dict[str, Any] = {"url": url}
-    if timeout is not None:
-        connection = {
-            "client": redis.Redis.from_url(
-                url, socket_timeout=timeout, socket_connect_timeout=timeout
-            )
-        }
+    client = redis_client(settings.require_redis_url(), timeout)
     return PipelineRedisBroker(
         namespace=settings.redis_namespace,
         middleware=stack,
         heartbeat_timeout=settings.broker_heartbeat_timeout_ms,
         maintenance_chance=settings.broker_maintenance_chance,
         outage_backoff_max=settings.reconnect_backoff_max,
-        **connection,
+        client=client,
     )

@@ -14,6 +14,7 @@ from pipeline.signing import EnvelopeSigner
 from pipeline.transport.base import QueueDepth, Slots, Transport, UndecodableSink
 from pipeline.transport.publisher import Publisher
 from pipeline.transport.redis.broker import PipelineRedisBroker, make_broker
+from pipeline.transport.redis.client import redis_client
 from pipeline.transport.redis.keys import (
     dead_set_key,
     delay_queue_key,
@@ -143,7 +144,7 @@ class RedisTransport(Transport):
         Scans rather than ``KEYS``, so a shared Redis is not blocked, and touches nothing
         outside the namespace: the queues, wake-up lists and acks of one pipeline only.
         """
-        client = redis.Redis.from_url(url)
+        client = redis_client(url)
         try:
             keys = list(client.scan_iter(match=f"{namespace}:*", count=1000))
             for start in range(0, len(keys), 500):
