@@ -24,7 +24,8 @@ FAULT_KINDS_HELP = (
     "redis-restart-volatile, redis-down, proxy-drop, proxy-stall, clock-skew; with --hosts "
     "also partition-worker-broker, partition-worker-postgres, partition-worker-both, "
     "partition-relay-postgres, partition-relay-broker, zombie-relay, link-degrade "
-    "(the proxy kinds then do not apply)."
+    "(the proxy kinds then do not apply); with --sentinel sentinel-kill-master and "
+    "sentinel-failover instead of the redis-* kinds."
 )
 
 
@@ -81,6 +82,12 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     30.0,
     "Longest partition or degraded link (--hosts); each lasts between 5 s and this.",
     minimum=1,
+)
+@click.option(
+    "--sentinel",
+    is_flag=True,
+    help="Run the drill's Redis as a master, a replica and three sentinels, reached through "
+    "a redis+sentinel:// URL, and fail it over.",
 )
 @json_option("Print the report as one JSON object.")
 def drill(**options: object) -> None:

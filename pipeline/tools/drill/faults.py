@@ -42,6 +42,8 @@ KINDS = (
     "proxy-stall",
     "clock-skew",
     *NETWORK_KINDS,
+    "sentinel-kill-master",
+    "sentinel-failover",
 )
 DESCRIPTIONS = {
     "relay-kill": "SIGKILL of a relay process, restarted after 0.5-3 s",
@@ -58,16 +60,29 @@ DESCRIPTIONS = {
     "proxy-stall": "all traffic through the proxy to Postgres and/or Redis stalled 1-4 s",
     "clock-skew": "a stretch of orders placed by a producer whose clock is shifted",
     **NETWORK_DESCRIPTIONS,
+    "sentinel-kill-master": "the Sentinel-watched master SIGKILLed (a failover), back later as "
+    "a replica",
+    "sentinel-failover": "a failover forced with SENTINEL FAILOVER",
 }
-OWNED_ONLY = frozenset(kind for kind in KINDS if kind.startswith(("postgres-", "redis-")))
+OWNED_ONLY = frozenset(
+    kind for kind in KINDS if kind.startswith(("postgres-", "redis-", "sentinel-"))
+)
 """Faults done to a server, which the drill does only to servers it started itself."""
+SENTINEL_ONLY = frozenset(kind for kind in KINDS if kind.startswith("sentinel-"))
+"""Faults of a Redis watched by Sentinel (``--sentinel``)."""
+REDIS_ALONE = frozenset(kind for kind in KINDS if kind.startswith("redis-"))
+"""Faults of one Redis process, which ``--sentinel`` replaces with a master and a replica."""
 HOSTS_ONLY = frozenset(NETWORK_KINDS)
 """Faults between hosts, which need ``--hosts``."""
-ONE_HOST_KINDS = tuple(kind for kind in KINDS if kind not in HOSTS_ONLY)
+ONE_HOST_KINDS = tuple(kind for kind in KINDS if kind not in HOSTS_ONLY | SENTINEL_ONLY)
 """What a drill on one host (the default) may inject."""
 STAGING_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in OWNED_ONLY)
 """What a drill against given servers may inject."""
-HOSTS_KINDS = tuple(kind for kind in KINDS if kind not in PROXY_KINDS)
+HOSTS_KINDS = tuple(kind for kind in KINDS if kind not in SENTINEL_ONLY and kind not in PROXY_KINDS)
+SENTINEL_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in REDIS_ALONE) + tuple(
+    sorted(SENTINEL_ONLY)
+)
+"""What a drill on a Redis watched by Sentinel may inject."""
 """What a drill across hosts may inject."""
 FIND_CONNECTIONS_SECONDS = 5.0
 
@@ -114,7 +129,7 @@ def schedule(
         fault = Fault(kind, offset)
         if kind in ("relay-kill", "worker-kill"):
             fault.seconds = rng.uniform(0.5, 3.0)
-        elif kind == "redis-down":
+        elif kind in ("redis-down", "sentinel-kill-master"):
             fault.seconds = rng.uniform(2.0, 6.0)
         elif kind == "redis-restart-everysec":
             fault.seconds = rng.uniform(0.5, 2.0)  # traffic under everysec before the crash
@@ -158,6 +173,7 @@ class Injector:
     postgres: Any = None  # OwnedPostgres when the drill owns the server
     redis: Any = None  # OwnedRedis likewise
     network: NetworkFaults | None = None  # across hosts (--hosts)
+    sentinel: Any = None  # the SentinelSet (--sentinel)
     wait: Callable[[float], None] = time.sleep
     done: list[Fault] = field(default_factory=list)
 
@@ -196,6 +212,16 @@ class Injector:
                 raise ValueError(f"{kind} needs hosts (--hosts)")
             fault.target, detail = self.network.do(kind, fault.seconds)
             return detail
+        if kind == "sentinel-kill-master":
+            old, named = self.sentinel.kill_master()
+            self.wait(fault.seconds)
+            self.sentinel.rejoin(old)
+            return (
+                f"master killed, a new one named after {named:.1f} s; the old one back "
+                f"{fault.seconds:.1f} s later as a replica"
+            )
+        if kind == "sentinel-failover":
+            return f"failover forced, done in {self.sentinel.force_failover():.1f} s"
         if kind == "proxy-drop":
             return self.proxies.send(fault.target, "drop")
         if kind == "proxy-stall":

@@ -48,6 +48,8 @@ from pipeline.tools.drill.faults import (
     HOSTS_ONLY,
     KINDS,
     OWNED_ONLY,
+    REDIS_ALONE,
+    SENTINEL_ONLY,
     Fault,
     Injector,
     Proxies,
@@ -115,6 +117,7 @@ class DrillOptions:
     poison: int = 3
     hosts: bool = False
     network_seconds: float = 30.0
+    sentinel: bool = False
 
 
 def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
@@ -127,6 +130,12 @@ def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
             "drop --database-url/--redis-url"
         )
 
+    if options.sentinel and (options.hosts or given["redis"]):
+        raise DrillError(
+            "--sentinel starts the drill's own Redis master, replica and sentinels on this "
+            "host: drop --hosts/--redis-url"
+        )
+
     def refusal(kind: str) -> str | None:
         if kind in OWNED_ONLY and given["postgres" if kind.startswith("postgres") else "redis"]:
             return (
@@ -137,6 +146,10 @@ def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
             return "cuts links between hosts: run with --hosts"
         if kind in PROXY_KINDS and options.hosts:
             return "acts through the proxies, which do not run across hosts"
+        if kind in SENTINEL_ONLY and not options.sentinel:
+            return "needs a Redis watched by Sentinel: run with --sentinel"
+        if kind in REDIS_ALONE and options.sentinel:
+            return "restarts the one Redis process, which --sentinel replaces (use sentinel-*)"
         return None
 
     possible = tuple(kind for kind in KINDS if refusal(kind) is None)
@@ -187,6 +200,7 @@ class _Servers:
     postgres: Any = None  # OwnedPostgres when the drill started it
     redis: Any = None
     setup: dict[str, str] = field(default_factory=dict)
+    sentinel: Any = None  # SentinelSet with --sentinel
 
 
 class _Drill:
@@ -259,6 +273,7 @@ class _Drill:
             self.rng,
             postgres=servers.postgres,
             redis=servers.redis,
+            sentinel=servers.sentinel,
             wait=lambda seconds: self._wait(members, seconds),
             network=(
                 NetworkFaults(
@@ -380,7 +395,7 @@ class _Drill:
         from pipeline.tools.harness.embedded import EmbeddedServerError
 
         setup: dict[str, str] = {}
-        postgres = redis = None
+        postgres = redis = sentinel = None
         try:
             if options.database_url is None:
                 postgres = OwnedPostgres(self.hosts["pg"] if self.hosts else None)
@@ -396,7 +411,18 @@ class _Drill:
             else:
                 database_url = libpq_url(options.database_url)
                 setup["postgres"] = f"given {redact_url(database_url)} (never restarted)"
-            if options.redis_url is None:
+            if options.sentinel:
+                from pipeline.tools.harness.sentinel import SentinelSet
+
+                sentinel = SentinelSet()
+                self.cleanup.push("stop the drill's Redis and sentinels", sentinel.close)
+                sentinel.start()
+                redis_url = sentinel.url
+                setup["redis"] = (
+                    "the drill's own master, replica and three sentinels (throwaway, no "
+                    "persistence; failed over by the drill)"
+                )
+            elif options.redis_url is None:
                 redis = OwnedRedis(self.hosts["broker"] if self.hosts else None)
                 self.cleanup.push("stop the drill's Redis", lambda: redis.close(self.options.keep))
                 redis.start()
@@ -424,7 +450,7 @@ class _Drill:
                 else "connected through the drill's proxies"
             )
         )
-        return _Servers(database_url, redis_url, postgres, redis, setup)
+        return _Servers(database_url, redis_url, postgres, redis, setup, sentinel)
 
     def _prepare_database(self, settings: Settings, servers: _Servers) -> None:
         from pipeline.db.connect import make_engine
@@ -485,10 +511,12 @@ class _Drill:
         self.cleanup.push("close the proxies' log", log.close)
         postgres = self._proxy(*address(servers.database_url, 5432), log)
         redis = None
-        if not servers.redis_url.startswith("unix://"):
-            redis = self._proxy(*address(servers.redis_url, 6379), log)
-        else:
+        if servers.redis_url.startswith("unix://"):
             self.notes.append("Redis is reached over a unix socket: no proxy in front of it")
+        elif servers.sentinel is not None:
+            self.notes.append("Redis is found through its sentinels: no proxy in front of it")
+        else:
+            redis = self._proxy(*address(servers.redis_url, 6379), log)
         return Proxies(postgres, redis)
 
     def _proxy(self, host: str, port: int, log: IO[bytes]) -> ProxyProcess:

@@ -23,7 +23,7 @@ from pipeline.tools.harness.server import HOST
 SERVICE = "pipeline"
 DOWN_AFTER_MS = 1000
 FAILOVER_TIMEOUT_MS = 5000
-FAILOVER_WAIT = 60.0
+FAILOVER_WAIT = 120.0  # a rejoin waits for the sentinels' 10 s INFO round, slower on a busy host
 
 
 class EmbeddedSentinel(EmbeddedRedis):
@@ -127,6 +127,7 @@ class SentinelSet:
     def force_failover(self) -> float:
         """``SENTINEL FAILOVER``: the replica promoted without a failure; seconds it took."""
         old_port = self.master_port()
+        self._wait(self._good_replica, "a replica the sentinels may promote")
         began = time.monotonic()
         with redis.Redis(host=HOST, port=self.sentinels[0].port, socket_timeout=5) as client:
             client.execute_command("SENTINEL", "FAILOVER", SERVICE)
@@ -138,6 +139,7 @@ class SentinelSet:
         node.start()
         master = self.master()
         self._wait(lambda: self._replicas_of(master.port) >= 1, "the old master to rejoin")
+        self._wait(self._good_replica, "the sentinels to see the rejoined replica as healthy")
 
     def close(self) -> None:
         for server in [*self.sentinels, *self.nodes]:
@@ -176,6 +178,21 @@ class SentinelSet:
             and isinstance(value, dict)
             and value.get("state") == "online"
         )
+
+    def _good_replica(self) -> bool:
+        """Every sentinel lists a replica in sync with the master (one it may promote)."""
+        for sentinel in self.sentinels:
+            try:
+                with redis.Redis(host=HOST, port=sentinel.port, socket_timeout=2) as client:
+                    replicas = client.sentinel_slaves(SERVICE)
+            except redis.RedisError:
+                return False
+            if not any(
+                replica.get("flags") == "slave" and replica.get("master-link-status") == "ok"
+                for replica in replicas
+            ):
+                return False
+        return True
 
     def _sentinels_agree(self) -> bool:
         try:
