@@ -1,36 +1,26 @@
-"""The pipeline on a Redis watched by Sentinel: the master dies (and later an operator forces
-a failover) while the relay and workers run. Connections follow the sentinels to the new
-master; commands that met the old one are retried, never acknowledged away; no order is
-lost or handled twice. A promoted replica may have missed the last writes: the delivery
-ledger sends those again."""
+"""A Redis watched by Sentinel fails over under a running relay and workers: no loss, no
+effect twice, the flow back once the sentinels name the new master."""
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 
-from pipeline import Settings
 from pipeline.tools.harness.sentinel import SentinelSet
-from tests.chaos.test_no_loss import (  # chaos_settings: the fixture, shared
-    APP,
-    assert_each_stage_once,
-    chaos_settings,  # noqa: F401
-    place_orders,
-    scalar,
-    stage_counts,
-)
+from tests.chaos.orders import APP, assert_each_stage_once, place_orders, scalar, stage_counts
 from tests.support import start_relay, start_worker, stop_process, wait_until
 
 pytestmark = pytest.mark.chaos
 
 
 def test_failovers_while_relay_and_workers_run_lose_nothing_and_do_nothing_twice(
-    engine,
-    chaos_settings: Settings,
-    tmp_path: Path,  # noqa: F811
-) -> None:
+    engine, chaos_settings, tmp_path
+):
+    """The master dies (and later an operator forces a failover) while relay and workers
+    run on a Redis watched by Sentinel: connections follow the sentinels to the new
+    master, commands that met the old one are retried, never acknowledged away; no order
+    is lost or handled twice (what a promoted replica missed, the ledger sends again)."""
     orders = [f"failover-{i}" for i in range(90)]
     with SentinelSet() as sentinels:
         settings = chaos_settings.replace(redis_url=sentinels.url)
