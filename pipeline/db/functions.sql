@@ -74,6 +74,13 @@ $$;
 -- lock (they take milliseconds), so that a claim never runs on a snapshot older than
 -- another publisher's committed claim of the same key: in a function, the UPDATE below
 -- takes its snapshot after the lock, and the whole claim is one statement for the caller.
+-- A claim never waits on a row lock while it holds that lock: the rows it chose are
+-- locked with SKIP LOCKED first. A row another transaction holds (a publisher stopped
+-- between its sent mark and its COMMIT, whose lease expired meanwhile) is left out, and
+-- so is the rest of its key's run in this claim (a prefix of a run is always safe to
+-- publish, a run with a hole is not); a later claim takes them once that transaction
+-- ended. Every other key goes on being claimed, so one stopped publisher holds back only
+-- the keys it holds, never the others.
 -- enable_seqscan is off inside, as for sequence_ordered_event: PL/pgSQL caches the plan,
 -- and one made while the outbox looked empty would scan the whole table on every claim.
 -- enable_bitmapscan is off too: a bitmap scan never marks an index entry dead, so every
@@ -133,10 +140,28 @@ BEGIN
                bool_and(c.gap_free) OVER (PARTITION BY c.ordering_key ORDER BY c.seq) AS run_ok
         FROM checked c
     ), chosen AS (
-        SELECT r.id FROM runs r
+        SELECT r.id, r.ordering_key, r.seq FROM runs r
         WHERE (r.ordering_key IS NULL OR (r.run_ok AND r.run_position <= p_max_run))
         ORDER BY r.seq
         LIMIT p_batch_size
+    ), locked AS (
+        -- The chosen rows still claimable, locked now; rows another transaction holds
+        -- are skipped, never waited for.
+        SELECT l.id FROM outbox l
+        WHERE l.id = ANY (ARRAY(SELECT id FROM chosen))
+          AND ((l.status = 'pending' AND l.lease_token IS NULL)
+               OR (l.status = 'publishing' AND l.lease_expires_at < statement_timestamp()))
+        FOR UPDATE SKIP LOCKED
+    ), cut AS (
+        -- Per key, the first chosen row not locked: the key's run stops before it.
+        SELECT c.ordering_key, min(c.seq) AS seq FROM chosen c
+        WHERE c.ordering_key IS NOT NULL AND c.id NOT IN (SELECT id FROM locked)
+        GROUP BY c.ordering_key
+    ), claimable AS (
+        SELECT c.id FROM chosen c
+        JOIN locked l ON l.id = c.id
+        LEFT JOIN cut ON cut.ordering_key = c.ordering_key
+        WHERE cut.seq IS NULL OR c.seq < cut.seq
     )
     UPDATE outbox o
     SET status = 'publishing',
@@ -146,7 +171,7 @@ BEGIN
         lease_expires_at = clock_timestamp() + make_interval(secs => p_lease_seconds)
     -- The ids as an array: primary-key lookups whatever the planner thinks of the CTE's size
     -- (a hash join over the whole outbox cost more than the rest of the claim).
-    WHERE o.id = ANY (ARRAY(SELECT id FROM chosen))
+    WHERE o.id = ANY (ARRAY(SELECT id FROM claimable))
     -- Still claimable: a stale publisher may have marked an expired lease sent (or dead) since
     -- the snapshot, and that outcome stands. One it gave back (released, or rescheduled for a
     -- retry) is pending again and is taken now, so a key's run is claimed whole.

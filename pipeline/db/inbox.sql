@@ -68,11 +68,36 @@ SELECT EXISTS (
 
 -- name: inbox_expect
 -- The relay records deliveries to ordered consumers, so that a later event of a key can
--- tell that an earlier one is still on its way.
-INSERT INTO {schema}.inbox (consumer, event_id, event_type, ordering_key, seq, status)
-SELECT * FROM unnest(%(consumers)s::text[], %(event_ids)s::uuid[], %(event_types)s::text[],
-                     %(ordering_keys)s::text[], %(seqs)s::bigint[], %(statuses)s::text[])
+-- tell that an earlier one is still on its way. It commits them before it hands the
+-- events to the broker, so no worker can hold such a row yet, and it never waits on one a
+-- worker holds: rows that exist already (an event claimed again) are left alone. A row
+-- recorded here does not mean the event went out: only a sent event's rows are owed
+-- (ledger.sql). Commits asynchronously, as the claim does: a lost row is one a later claim
+-- of the event records again, and no later event of its key is claimed before that.
+INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq, status)
+SELECT e.consumer, e.event_id, e.event_type, e.ordering_key, e.seq, e.status
+FROM (SELECT set_config('synchronous_commit', 'off', true)) AS async_commit,
+     unnest(%(consumers)s::text[], %(event_ids)s::uuid[], %(event_types)s::text[],
+            %(ordering_keys)s::text[], %(seqs)s::bigint[], %(statuses)s::text[])
+     AS e (consumer, event_id, event_type, ordering_key, seq, status)
+WHERE NOT EXISTS (
+    SELECT 1 FROM {schema}.inbox x WHERE x.consumer = e.consumer AND x.event_id = e.event_id
+)
 ON CONFLICT (consumer, event_id) DO NOTHING;
+
+-- name: inbox_unexpect
+-- Events dead-lettered at publish never reached their ordered consumers: the rows
+-- inbox_expect recorded for them (still untouched by any worker) stop ordering their keys
+-- (no seq), so that later events of their keys do not wait for them. The rows stay, so a
+-- replayed event is still recognised once processed. Rows a worker holds are left alone.
+UPDATE {schema}.inbox i
+SET seq = NULL, last_error = 'dead-lettered at publish', last_error_class = 'DeadAtPublish'
+WHERE (i.consumer, i.event_id) IN (
+    SELECT x.consumer, x.event_id FROM {schema}.inbox x
+    WHERE x.event_id = ANY(%(ids)s) AND x.status = 'pending' AND x.attempts = 0
+      AND EXISTS (SELECT 1 FROM {schema}.outbox o WHERE o.id = x.event_id AND o.status = 'dead')
+    FOR UPDATE SKIP LOCKED
+);
 
 -- name: inbox_give_up
 -- A delivered event that was dead-lettered as a message (unreadable envelope, redelivery

@@ -38,10 +38,14 @@ UPDATE {schema}.delivery_sweep SET swept_to = %(until)s, sweeps = sweeps + 1 WHE
 -- Deliveries owed past the horizon, oldest first, to the consumers this relay can route
 -- to, each no later than its consumer's ``cutoff`` (deliveries younger than the oldest
 -- message still waiting on the consumer's queue may be in that queue: not owed yet).
--- Rows a worker is processing right now are locked: skipped. For ordered consumers, an
--- event waits behind an unfinished predecessor that is not itself owed (it is still on
--- its way, or its retry is due later): the predecessor's own delivery carries the key.
--- The event rows come along, so the sweep can deliver them again as the relay does.
+-- Rows a worker is processing right now are locked: skipped. A row the relay recorded
+-- before publishing (inbox_expect) is owed only once its event is sent, and only if the
+-- event was published before the cutoff too (a row may predate a later attempt's
+-- publication); a row whose event is gone is owed (and dead-lettered as vanished). For
+-- ordered consumers, an event waits behind an unfinished predecessor that is not itself
+-- owed (it is still on its way, or its retry is due later): the predecessor's own
+-- delivery carries the key. The event rows come along, so the sweep can deliver them
+-- again as the relay does.
 WITH cutoffs AS (
     SELECT * FROM unnest(%(consumers)s::text[], %(cutoffs)s::timestamptz[],
                          %(ordered)s::boolean[]) AS c (consumer, cutoff, ordered)
@@ -50,11 +54,19 @@ WITH cutoffs AS (
     FROM {schema}.inbox i
     JOIN cutoffs c ON c.consumer = i.consumer
     WHERE i.status IN ('pending', 'failed') AND i.delivered_at <= c.cutoff
+      AND NOT EXISTS (
+          SELECT 1 FROM {schema}.outbox e
+          WHERE e.id = i.event_id AND (e.status <> 'sent' OR e.published_at > c.cutoff)
+      )
       AND (NOT c.ordered OR i.ordering_key IS NULL OR NOT EXISTS (
           SELECT 1 FROM {schema}.inbox p
           WHERE p.consumer = i.consumer AND p.ordering_key = i.ordering_key
             AND p.status IN ('pending', 'failed') AND p.seq < i.seq
-            AND p.delivered_at > c.cutoff
+            AND (p.delivered_at > c.cutoff OR EXISTS (
+                SELECT 1 FROM {schema}.outbox pe
+                WHERE pe.id = p.event_id
+                  AND (pe.status <> 'sent' OR pe.published_at > c.cutoff)
+            ))
       ))
     ORDER BY i.delivered_at
     LIMIT %(limit)s
@@ -111,6 +123,10 @@ WITH cutoff AS (
            )) AS keys
     FROM {schema}.inbox i, cutoff
     WHERE i.status IN ('pending', 'failed') AND i.delivered_at <= cutoff.at
+      AND NOT EXISTS (
+          SELECT 1 FROM {schema}.outbox e
+          WHERE e.id = i.event_id AND (e.status <> 'sent' OR e.published_at > cutoff.at)
+      )
     GROUP BY i.consumer
 ), unswept AS (
     SELECT c.consumer, count(*) AS owed

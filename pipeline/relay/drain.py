@@ -146,6 +146,13 @@ class Drainer:
         metrics.publish_batch_size.observe(len(events))
         deliveries = plan_deliveries(events, self.registry, self.settings.max_events_per_message)
         try:
+            # Ordered consumers' inbox rows are committed before any copy can be consumed:
+            # the relay and a worker never contend on one inbox row.
+            self.store.expect(self.conn, self._expected_deliveries(events))
+        except BaseException:
+            self._release_quietly(events, token)
+            raise
+        try:
             failures = self._deliver(deliveries)
         except PublisherUnavailable as exc:
             with self.conn.transaction():
@@ -207,7 +214,6 @@ class Drainer:
                 retry.append((event, error))
         if sent:
             settlement.routes = self._routes(events)
-            settlement.expected = self._expected_deliveries(events, set(sent))
         settlement.retries = [
             Retry(
                 event.id,
@@ -250,20 +256,29 @@ class Drainer:
             for event_type in sorted({event.event_type for event in events})
         }
 
-    def _expected_deliveries(
-        self, events: list[OutboxEvent], sent: set[uuid.UUID]
-    ) -> list[ExpectedDelivery]:
+    def _release_quietly(self, events: list[OutboxEvent], token: int) -> None:
+        """Give a batch back after a failure before publishing (best effort: otherwise its
+        lease expires and another claim takes it)."""
+        try:
+            self.store.release(self.conn, [e.id for e in events], token)
+        except psycopg.Error:
+            log.debug("could not release a claimed batch", exc_info=True)
+
+    def _expected_deliveries(self, events: list[OutboxEvent]) -> list[ExpectedDelivery]:
         """Ordered consumers' inbox 'pending' rows for the events of a key on their way.
 
-        Recorded for every event the broker accepted, in the transaction that marks them
-        sent: no later event of the key can be claimed before that commits.
+        Recorded for every claimed event before publishing, and committed: no later event
+        of the key can be claimed before the event is marked sent, so a worker that takes
+        a later event always finds the earlier one's row. A row of an event that then
+        fails is harmless: only sent events' rows are owed (the ledger), and an event
+        dead-lettered at publish removes its rows in the same transaction.
         """
         return [
             ExpectedDelivery(
                 subscription.consumer, event.id, event.event_type, event.ordering_key, event.seq
             )
             for event in events
-            if event.id in sent and event.ordering_key is not None
+            if event.ordering_key is not None
             for subscription in self.registry.routes_for(event.event_type)
             if subscription.ordered
         ]

@@ -66,6 +66,9 @@ Mode = Literal["auto", "inline", "workers"]
 HEARTBEAT_INTERVAL = 1.0
 HANDOFF_LIMIT = 2.0
 FIRST_RETRY = 0.1
+# A statement that gave up waiting (``lock_timeout``, ``statement_timeout``): another
+# session held what it needed too long (a stopped process). Retried on the same connection.
+WAIT_TIMEOUTS = (psycopg.errors.LockNotAvailable, psycopg.errors.QueryCanceled)
 # Failures the relay waits out (logging each backoff step) instead of exiting: Postgres or
 # the broker down, restarting, failing over, or the schema not installed yet.
 OUTAGES = (
@@ -211,6 +214,14 @@ class Relay:
             while not self.stop.is_set():
                 try:
                     self._serve()
+                except WAIT_TIMEOUTS as exc:
+                    delay = self._backoff.next_delay()
+                    log.warning(
+                        f"relay waiting: a statement gave up waiting ({self._timed_out(exc)}); "
+                        f"retrying in {delay:.1f}s",
+                        extra={"error_class": type(exc).__name__, "retry_in": delay},
+                    )
+                    self.stop.wait(delay)
                 except OUTAGES as exc:
                     if not isinstance(exc, PublisherUnavailable):
                         self._close_connection()
@@ -230,6 +241,13 @@ class Relay:
                 self.listener.join(timeout=5)
             self.janitor.join(timeout=5)
             log.info("relay stopped", extra={"relay_id": self.relay_id})
+
+    @staticmethod
+    def _timed_out(exc: BaseException) -> str:
+        """Which bound a statement hit, in words (``lock_timeout`` or ``statement_timeout``)."""
+        if isinstance(exc, psycopg.errors.LockNotAvailable):
+            return "a lock held by another session past PIPELINE_LOCK_TIMEOUT_MS"
+        return "canceled, e.g. past PIPELINE_STATEMENT_TIMEOUT_MS"
 
     def _outage(self, exc: BaseException) -> str:
         """Why the relay cannot work, in one line without secrets."""

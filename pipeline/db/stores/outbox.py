@@ -54,6 +54,8 @@ class Settlement:
 
     ``routes`` maps each event type of the batch to its consumers, comma-separated: the
     sent events record whom they went to (the delivery ledger's source of truth).
+    ``expected`` is kept for callers that record ordered deliveries at settlement; the
+    relay records them before publishing (:meth:`OutboxStore.expect`).
     """
 
     token: int
@@ -130,6 +132,12 @@ class OutboxStore:
         rows = conn.execute(self._queries["claim"], params, binary=True).fetchall()
         return [OutboxEvent.from_row(row) for row in rows]
 
+    def expect(self, conn: psycopg.Connection[Any], expected: list[ExpectedDelivery]) -> None:
+        """Record ordered consumers' inbox rows for events about to be published, committed
+        before the broker gets them (one autocommit statement; ``inbox_expect``)."""
+        if expected:
+            conn.execute(self._queries["inbox_expect"], _expect_params(expected), binary=True)
+
     def release(self, conn: psycopg.Connection[Any], ids: list[uuid.UUID], token: int) -> None:
         """Give leased events back unpublished (no attempt counted)."""
         conn.execute(self._queries["release"], {"ids": ids, "token": token})
@@ -171,19 +179,7 @@ class OutboxStore:
                 )
             )
             if s.expected:
-                statements.append(
-                    (
-                        "inbox_expect",
-                        {
-                            "consumers": [e.consumer for e in s.expected],
-                            "event_ids": [e.event_id for e in s.expected],
-                            "event_types": [e.event_type for e in s.expected],
-                            "ordering_keys": [e.ordering_key for e in s.expected],
-                            "seqs": [e.seq for e in s.expected],
-                            "statuses": ["pending"] * len(s.expected),
-                        },
-                    )
-                )
+                statements.append(("inbox_expect", _expect_params(s.expected)))
         if s.released:
             statements.append(("release", {"ids": s.released, "token": s.token}))
         if s.retries:
@@ -212,6 +208,7 @@ class OutboxStore:
                     },
                 )
             )
+            statements.append(("inbox_unexpect", {"ids": [d.event_id for d in s.dead]}))
         return statements
 
     def has_due_work(self, conn: psycopg.Connection[Any]) -> bool:
@@ -226,3 +223,14 @@ class OutboxStore:
     def horizon_passed(self, conn: psycopg.Connection[Any], xmax: str) -> bool:
         """Whether every transaction older than ``xmax`` has ended."""
         return conn.execute(self._queries["horizon_passed"], {"xmax": xmax}).fetchone() == (True,)
+
+
+def _expect_params(expected: list[ExpectedDelivery]) -> dict[str, Any]:
+    return {
+        "consumers": [e.consumer for e in expected],
+        "event_ids": [e.event_id for e in expected],
+        "event_types": [e.event_type for e in expected],
+        "ordering_keys": [e.ordering_key for e in expected],
+        "seqs": [e.seq for e in expected],
+        "statuses": ["pending"] * len(expected),
+    }

@@ -9,8 +9,11 @@ from pipeline.driver_errors import wrap_driver_errors
 
 
 def upgrade_schema(settings: Settings) -> UpgradeResult:
-    """Apply pending migrations in one transaction (safe concurrently and repeatedly)."""
-    engine = make_engine(settings)
+    """Apply pending migrations in one transaction (safe concurrently and repeatedly).
+
+    Without the pipeline's lock and statement timeouts: a migration may rightly wait for
+    its table locks and run long."""
+    engine = make_engine(settings, timeouts=False)
     try:
         with wrap_driver_errors(settings), engine.begin() as connection:
             return upgrade(connection, settings.schema_name)
