@@ -328,9 +328,11 @@ def multiprocess_metric(directory: Path, name: str, **labels: str) -> float:
     return total
 
 
-def start_relay(settings: Settings, app: str, log: Path, *args: str) -> subprocess.Popen[bytes]:
+def start_relay(
+    settings: Settings, app: str, log: Path, *args: str, **env: str
+) -> subprocess.Popen[bytes]:
     argv = [sys.executable, "-m", "pipeline.tools.cli", "relay", *args]
-    return start_process(argv, pipeline_env(settings, app), log)
+    return start_process(argv, pipeline_env(settings, app, **env), log)
 
 
 def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:

@@ -16,6 +16,7 @@ import psycopg
 
 from pipeline.db.queries import queries_for
 from pipeline.envelope import OutboxEvent
+from pipeline.testhooks import pause_before_commit
 
 Statement = tuple[str, Any]
 """A query's text and its parameters, for the caller's SQLAlchemy ``exec_driver_sql``."""
@@ -73,6 +74,7 @@ class OutboxStore:
     def __init__(self, schema: str) -> None:
         self.schema = schema
         self._queries = queries_for(schema)
+        self._pause_before_commit = pause_before_commit()  # test-only (pipeline.testhooks)
 
     # -- the producer --------------------------------------------------------------------
     def insert(self, rows: list[dict[str, Any]], columns: Mapping[str, str]) -> Statement:
@@ -153,15 +155,22 @@ class OutboxStore:
         if not statements:
             return []
         cursors: dict[str, Any] = {}
-        if len(statements) == 1:
+        pause = self._pause_before_commit
+        marked: list[SentRow] | None = None
+        if len(statements) == 1 and pause is None:
             name, params = statements[0]
             cursors[name] = conn.execute(self._queries[name], params, binary=True)
         else:
             with conn.pipeline(), conn.transaction():
                 for name, params in statements:
                     cursors[name] = conn.execute(self._queries[name], params, binary=True)
-        marked = cursors.get("mark_sent")
-        return [] if marked is None else marked.fetchall()
+                    if name == "mark_sent" and pause is not None:
+                        marked = cursors[name].fetchall()  # it ran: its rows are locked
+                        pause()
+        if marked is not None:
+            return marked
+        cursor = cursors.get("mark_sent")
+        return [] if cursor is None else cursor.fetchall()
 
     @staticmethod
     def _statements(s: Settlement) -> list[tuple[str, dict[str, Any]]]:

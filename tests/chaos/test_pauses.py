@@ -1,0 +1,199 @@
+"""Processes that stop without dying (SIGSTOP) never stop the others.
+
+A relay stopped between its sent mark and its COMMIT holds the sent events' row locks
+for as long as it is stopped. Once its lease expired, another relay's claim used to
+wait on those locks while holding the lock that serialises claims: nothing was
+published until the stopped relay resumed. Claims now skip the rows another session
+holds (and the rest of those keys' runs), so the other relay goes on publishing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from pipeline import NewEvent, Settings, configure
+from pipeline.testhooks import PAUSE_BEFORE_COMMIT
+from tests.support import produce, start_relay, start_worker, stop_process, wait_until
+
+APP = "tests.apps.pause_app"
+TABLE = """
+CREATE TABLE pause_effects (id bigserial PRIMARY KEY, event_id uuid NOT NULL,
+                            ordering_key text, seq bigint NOT NULL);
+"""
+KEYS = 500  # many keys: a stopped relay's batch holds back only a few of them
+
+
+@pytest.fixture
+def pause_settings(settings: Settings, engine) -> Settings:
+    with engine.begin() as conn:
+        conn.exec_driver_sql(TABLE)
+    value = settings.replace(
+        lease_seconds=2.0,
+        batch_size=20,
+        max_events_per_message=10,
+        poll_interval_max=0.2,
+        broker_heartbeat_timeout_ms=5000,
+        broker_maintenance_chance=200_000,
+    )
+    configure(value)
+    return value
+
+
+def scalar(engine, query: str, **params: object) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(text(query), params).scalar_one())
+
+
+def sent_count(engine) -> int:
+    return scalar(engine, "SELECT count(*) FROM pipeline.outbox WHERE status = 'sent'")
+
+
+def stopped(pid: int) -> bool:
+    """Whether the process is stopped (state T in /proc/<pid>/stat)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return stat.rsplit(")", 1)[1].split()[0] == "T"
+
+
+class Producer(threading.Thread):
+    """Commits events of ``KEYS`` keys in small transactions until stopped."""
+
+    def __init__(self, engine, per_transaction: int = 5, pause: float = 0.02) -> None:
+        super().__init__(daemon=True)
+        self.engine = engine
+        self.per_transaction = per_transaction
+        self.pause = pause
+        self.halt = threading.Event()
+        self.ids: list = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        n = 0
+        try:
+            while not self.halt.is_set():
+                events = [
+                    NewEvent("order.placed", {"i": i}, aggregate_id=str(i % KEYS))
+                    for i in range(n, n + self.per_transaction)
+                ]
+                n += self.per_transaction
+                self.ids += produce(self.engine, events, per_transaction=self.per_transaction)
+                time.sleep(self.pause)
+        except BaseException as exc:  # reported by the test
+            self.error = exc
+
+
+def rate(engine, seconds: float) -> float:
+    """Events marked sent per second over the next ``seconds`` (measured, not asserted)."""
+    before, start = sent_count(engine), time.monotonic()
+    time.sleep(seconds)
+    return (sent_count(engine) - before) / (time.monotonic() - start)
+
+
+def assert_effects_once_in_key_order(engine, ids: list) -> None:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT event_id, ordering_key, seq FROM pause_effects ORDER BY id")
+        ).all()
+    counts: dict = defaultdict(int)
+    last: dict[str, int] = {}
+    for event_id, key, seq in rows:
+        counts[event_id] += 1
+        assert seq > last.get(key, -1), f"key {key}: seq {seq} ran after {last[key]}"
+        last[key] = seq
+    assert set(counts) == set(ids), "an event's handler never ran"
+    assert max(counts.values()) == 1, "a handler ran twice for one event"
+
+
+def test_a_relay_stopped_before_its_commit_does_not_stop_the_other(
+    engine, pause_settings, tmp_path
+):
+    trigger = tmp_path / "pause-now"
+    paused = start_relay(
+        pause_settings,
+        APP,
+        tmp_path / "paused.log",
+        "--mode",
+        "inline",
+        PIPELINE_METRICS_PORT="0",
+        **{PAUSE_BEFORE_COMMIT: str(trigger)},
+    )
+    other = start_relay(
+        pause_settings, APP, tmp_path / "other.log", "--mode", "inline", PIPELINE_METRICS_PORT="0"
+    )
+    worker = start_worker(pause_settings, APP, tmp_path / "worker.log", threads=4)
+    producer = Producer(engine)
+    producer.start()
+    resumed = False
+    try:
+        wait_until(lambda: sent_count(engine) > 200, timeout=60, alive=[paused, other, worker])
+        rate_before = rate(engine, 3.0)
+
+        trigger.touch()  # the paused relay stops itself after its next sent mark
+        wait_until(lambda: stopped(paused.pid), timeout=60, alive=[other, worker])
+        held = scalar(
+            engine,
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND state = 'active' AND wait_event = 'ClientRead'",
+        )
+        # Its claimed events' leases expire while it is stopped: from then on the other
+        # relay's claims meet the rows it holds.
+        wait_until(
+            lambda: scalar(
+                engine,
+                "SELECT count(*) FROM pipeline.outbox WHERE status = 'publishing' "
+                "AND lease_owner LIKE :owner AND lease_expires_at < clock_timestamp()",
+                owner=f"%-{paused.pid}-%",
+            )
+            > 0,
+            timeout=60,
+            alive=[other, worker],
+        )
+        expired_at = sent_count(engine)
+        # Publishing goes on: the other relay marks events sent while this one is stopped.
+        wait_until(
+            lambda: sent_count(engine) > expired_at + 300,
+            timeout=120,
+            progress=lambda: sent_count(engine),
+            alive=[other, worker],
+        )
+        rate_paused = rate(engine, 3.0)
+        assert stopped(paused.pid), "the relay resumed before the measurement ended"
+        print(
+            f"sent/s before the pause: {rate_before:.0f}; during it, after the lease "
+            f"expired: {rate_paused:.0f}; sessions active in ClientRead: {held}"
+        )
+        os.kill(paused.pid, signal.SIGCONT)
+        resumed = True
+        producer.halt.set()
+        producer.join(30)
+        assert producer.error is None, producer.error
+        total = len(producer.ids)
+        wait_until(
+            lambda: sent_count(engine) == total,
+            timeout=120,
+            progress=lambda: sent_count(engine),
+            alive=[paused, other, worker],
+        )
+        wait_until(
+            lambda: scalar(engine, "SELECT count(DISTINCT event_id) FROM pause_effects") == total,
+            timeout=120,
+            progress=lambda: scalar(engine, "SELECT count(*) FROM pause_effects"),
+            alive=[paused, other, worker],
+        )
+    finally:
+        producer.halt.set()
+        if not resumed and paused.poll() is None:
+            os.kill(paused.pid, signal.SIGCONT)
+        for process in (worker, other, paused):
+            stop_process(process)
+    assert_effects_once_in_key_order(engine, producer.ids)
+    assert [p.returncode for p in (paused, other, worker)] == [0, 0, 0]
+    for log in ("paused.log", "other.log"):
+        assert "Traceback" not in (tmp_path / log).read_text(), log
