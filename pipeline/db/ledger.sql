@@ -50,7 +50,7 @@ WITH cutoffs AS (
     SELECT * FROM unnest(%(consumers)s::text[], %(cutoffs)s::timestamptz[],
                          %(ordered)s::boolean[]) AS c (consumer, cutoff, ordered)
 ), owed AS (
-    SELECT i.consumer, i.event_id, c.ordered
+    SELECT i.consumer, i.event_id, c.ordered, i.status, i.redeliveries
     FROM {schema}.inbox i
     JOIN cutoffs c ON c.consumer = i.consumer
     WHERE i.status IN ('pending', 'failed') AND i.delivered_at <= c.cutoff
@@ -72,7 +72,7 @@ WITH cutoffs AS (
     LIMIT %(limit)s
     FOR UPDATE OF i SKIP LOCKED
 )
-SELECT owed.consumer, owed.event_id, o.seq, o.aggregate_type, o.aggregate_id, o.ordering_key,
+SELECT owed.consumer, owed.event_id, owed.status, owed.redeliveries, o.seq, o.aggregate_type, o.aggregate_id, o.ordering_key,
        o.event_type, o.event_version, o.payload::text, o.headers::text, o.attempts,
        o.created_at
 FROM owed

@@ -120,6 +120,15 @@ broker_memory_lost = Counter(
     "Times a relay found that the broker had lost its messages (a Redis restarted empty); "
     "what was owed was sent again at once.",
 )
+REDELIVERY_REASONS = ("no_outcome", "retry_overdue", "resend_unanswered", "broker_lost")
+"""Why the ledger sent a delivery again: it was delivered (or recorded as owed) and no
+outcome came; a failed attempt's retry came due and no outcome came; an earlier re-send
+got no outcome either; the broker lost its messages (owed at once, not after the horizon)."""
+redelivery_reasons = Counter(
+    "pipeline_ledger_redeliveries_total",
+    "Deliveries the relay's ledger sweep sent again, by why: overdue and not in flight.",
+    ["consumer", "reason"],
+)
 inbox_infrastructure_retries = Counter(
     "pipeline_inbox_infrastructure_retries_total",
     "Messages a worker failed on an infrastructure error (database, broker, crash) and retries.",
@@ -255,6 +264,8 @@ def zero_initialise_consumers(consumers: Iterable[str]) -> None:
     after a Redis restart is then visible to ``rate()`` from its first increment."""
     for consumer in consumers:
         redeliveries.labels(consumer)
+        for reason in REDELIVERY_REASONS:
+            redelivery_reasons.labels(consumer, reason)
 
 
 # -- exposition ------------------------------------------------------------------------------

@@ -13,10 +13,14 @@ that dropped a message therefore delays an event but cannot lose it:
    than the horizon are delivered again, oldest first, through the same publisher the
    relay uses, and their ``delivered_at`` and ``redeliveries`` are updated.
 
-A delivery younger than the oldest message still waiting on its consumer's queue may
-be in that queue, so it is not owed yet: a consumer that is merely behind is never sent
-copies of its backlog. Rows a worker holds (it is processing them) are skipped, and
-ordered consumers' later events wait behind a predecessor that is still on its way.
+A delivery is sent again only when it is overdue and not in flight. A delivery
+younger than the oldest message still waiting on its consumer's queue, or held by a live
+worker (fetched and not yet acknowledged), may be that message, so it is not owed yet: a
+consumer that is merely behind is never sent copies of its backlog. Rows a worker holds
+(it is processing them) are skipped, a row recorded for an event not sent yet is not
+owed, and ordered consumers' later events wait behind a predecessor that is still on its
+way. What is sent again is counted by consumer and reason
+(``pipeline_ledger_redeliveries_total``).
 The inbox absorbs any copy that was not needed after all. One relay sweeps at a time
 (an advisory lock), every ``PIPELINE_RECONCILE_INTERVAL_SECONDS``.
 
@@ -68,6 +72,7 @@ class SweepResult:
     skipped: bool = False
     accounted: int = 0  # sent events' deliveries newly recorded as owed
     redelivered: Counter[str] = field(default_factory=Counter)  # by consumer
+    reasons: Counter[tuple[str, str]] = field(default_factory=Counter)  # (consumer, reason)
     vanished: int = 0
 
 
@@ -132,11 +137,13 @@ class DeliveryLedger:
             return
         owed: dict[str, list[OutboxEvent]] = {}
         vanished: list[tuple[str, uuid.UUID]] = []
+        reasons: dict[tuple[str, uuid.UUID], str] = {}
         for row in rows:
             if row.event is None:  # the event row is gone
                 vanished.append((row.consumer, row.event_id))
             else:
                 owed.setdefault(row.consumer, []).append(row.event)
+                reasons[(row.consumer, row.event_id)] = row.reason
         if vanished:
             self._record_vanished(conn, vanished, result)
         deliveries: list[Delivery] = []
@@ -158,6 +165,10 @@ class DeliveryLedger:
             self.store.redelivered(
                 conn, [(subscription.consumer, event.id) for subscription, event in sent]
             )
+        for subscription, event in sent:
+            consumer = subscription.consumer
+            reason = "broker_lost" if forgotten else reasons.get((consumer, event.id), "no_outcome")
+            result.reasons[(consumer, reason)] += 1
         self._count(sent, result, forgotten)
 
     def _record_vanished(
@@ -178,6 +189,8 @@ class DeliveryLedger:
     ) -> None:
         for subscription, _ in sent:
             result.redelivered[subscription.consumer] += 1
+        for (consumer, reason), count in result.reasons.items():
+            metrics.redelivery_reasons.labels(consumer, reason).inc(count)
         why = "the broker lost them" if forgotten else "no outcome within the redelivery horizon"
         for consumer, count in result.redelivered.items():
             metrics.redeliveries.labels(consumer).inc(count)
@@ -186,6 +199,11 @@ class DeliveryLedger:
                 extra={
                     "consumer": consumer,
                     "count": count,
+                    "reasons": {
+                        reason: n
+                        for (name, reason), n in result.reasons.items()
+                        if name == consumer
+                    },
                     "horizon_seconds": redelivery_horizon(self.settings),
                 },
             )

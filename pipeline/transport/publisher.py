@@ -49,8 +49,9 @@ class Publisher(Protocol):
     def deliver(self, deliveries: Sequence[Delivery]) -> list[BaseException | None]: ...
 
     def oldest_waiting(self, queue: str) -> datetime | None:
-        """When the oldest delivery still waiting in the transport for ``queue`` was handed
-        over, or None when none waits (the ledger sweep leaves younger deliveries alone)."""
+        """When the oldest delivery still in flight for ``queue`` was handed over (waiting
+        in the transport, or taken by a live consumer that has not acknowledged it yet), or
+        None when none is (the ledger sweep leaves younger deliveries alone)."""
         ...
 
     def forgot(self) -> bool:

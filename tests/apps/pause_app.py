@@ -22,8 +22,6 @@ def record(event: ReceivedEvent, ctx: HandlerContext) -> None:
     if HANDLER_SLEEP:
         time.sleep(HANDLER_SLEEP)
     ctx.session.execute(
-        text(
-            "INSERT INTO pause_effects (event_id, ordering_key, seq) VALUES (:e, :k, :s)"
-        ),
+        text("INSERT INTO pause_effects (event_id, ordering_key, seq) VALUES (:e, :k, :s)"),
         {"e": str(event.id), "k": event.ordering_key, "s": event.seq},
     )

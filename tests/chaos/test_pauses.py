@@ -145,13 +145,15 @@ def test_a_relay_stopped_before_its_commit_does_not_stop_the_other(
         # Its claimed events' leases expire while it is stopped: from then on the other
         # relay's claims meet the rows it holds.
         wait_until(
-            lambda: scalar(
-                engine,
-                "SELECT count(*) FROM pipeline.outbox WHERE status = 'publishing' "
-                "AND lease_owner LIKE :owner AND lease_expires_at < clock_timestamp()",
-                owner=f"%-{paused.pid}-%",
-            )
-            > 0,
+            lambda: (
+                scalar(
+                    engine,
+                    "SELECT count(*) FROM pipeline.outbox WHERE status = 'publishing' "
+                    "AND lease_owner LIKE :owner AND lease_expires_at < clock_timestamp()",
+                    owner=f"%-{paused.pid}-%",
+                )
+                > 0
+            ),
             timeout=60,
             alive=[other, worker],
         )

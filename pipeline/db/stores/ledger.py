@@ -18,11 +18,22 @@ from pipeline.envelope import OutboxEvent
 
 
 class OwedDelivery(NamedTuple):
-    """A delivery owed to ``consumer``; ``event`` is None when its outbox row is gone."""
+    """A delivery owed to ``consumer``; ``event`` is None when its outbox row is gone.
+
+    ``reason`` says why it is owed (``metrics.REDELIVERY_REASONS``): ``no_outcome``,
+    ``retry_overdue`` (a failed attempt's retry) or ``resend_unanswered``.
+    """
 
     consumer: str
     event_id: uuid.UUID
     event: OutboxEvent | None
+    reason: str = "no_outcome"
+
+
+def _reason(status: str, redeliveries: int) -> str:
+    if redeliveries > 0:
+        return "resend_unanswered"
+    return "retry_overdue" if status == "failed" else "no_outcome"
 
 
 class LedgerStore:
@@ -72,7 +83,12 @@ class LedgerStore:
             },
         ).fetchall()
         return [
-            OwedDelivery(row[0], row[1], None if row[2] is None else OutboxEvent.from_row(row[1:]))
+            OwedDelivery(
+                row[0],
+                row[1],
+                None if row[4] is None else OutboxEvent.from_row((row[1], *row[4:])),
+                _reason(row[2], row[3]),
+            )
             for row in rows
         ]
 

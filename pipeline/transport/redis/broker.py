@@ -51,7 +51,13 @@ from pipeline.config import Settings
 from pipeline.transport.base import UndecodableSink
 from pipeline.transport.redis.client import redis_client
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
-from pipeline.transport.redis.keys import acks_key, messages_key, queue_key, wake_key
+from pipeline.transport.redis.keys import (
+    acks_key,
+    heartbeats_key,
+    messages_key,
+    queue_key,
+    wake_key,
+)
 
 log = logging.getLogger("pipeline.transport.broker")
 
@@ -289,23 +295,35 @@ class PipelineRedisBroker(RedisBroker):
             )
 
     def oldest_waiting(self, queue_name: str) -> datetime | None:
-        """When the message at the head of the queue was enqueued; None when none waits.
+        """When the oldest message still in flight on the queue was enqueued: the one at
+        the head of the queue, or one a live consumer fetched and has not acknowledged
+        yet (prefetched, or running); None when none is.
 
         Dramatiq appends to the queue's list and fetches from its head, so the head is
-        the oldest message not yet fetched. An unreadable head counts as none: whatever
-        it is, it carries no delivery.
+        the oldest message not yet fetched. A consumer's fetched messages sit in its
+        un-acked set while its heartbeat is younger than the heartbeat timeout (after
+        that Dramatiq puts them back on the queue). Unreadable messages count as none:
+        whatever they are, they carry no delivery.
         """
-        head = self.client.lindex(queue_key(self.namespace, queue_name), 0)
-        if head is None:
+        namespace = self.namespace
+        pipe = self.client.pipeline(transaction=False)
+        pipe.lindex(queue_key(namespace, queue_name), 0)
+        pipe.zrangebyscore(
+            heartbeats_key(namespace), current_millis() - self.heartbeat_timeout, "+inf"
+        )
+        head, live = pipe.execute()
+        ids: list[Any] = [] if head is None else [head]
+        if live:
+            pipe = self.client.pipeline(transaction=False)
+            for broker_id in live:
+                pipe.smembers(acks_key(namespace, _text(broker_id), queue_name))
+            for members in pipe.execute():
+                ids.extend(members)
+        if not ids:
             return None
-        body = self.client.hget(messages_key(self.namespace, queue_name), head)
-        try:
-            millis = json.loads(body)["message_timestamp"] if body is not None else None
-        except (ValueError, TypeError, KeyError):
-            return None
-        if not isinstance(millis, int | float):
-            return None
-        return datetime.fromtimestamp(millis / 1000, tz=UTC)
+        bodies = self.client.hmget(messages_key(namespace, queue_name), ids)
+        stamps = [stamp for stamp in map(_message_millis, bodies) if stamp is not None]
+        return datetime.fromtimestamp(min(stamps) / 1000, tz=UTC) if stamps else None
 
     def push_wake(self, pipe: Any, queue_name: str) -> None:
         """Add to ``pipe`` the commands that leave one wake-up on the queue's list."""
@@ -396,3 +414,16 @@ def make_broker(
         outage_backoff_max=settings.reconnect_backoff_max,
         client=client,
     )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _message_millis(body: bytes | None) -> float | None:
+    """A message body's enqueue time in milliseconds, or None when it has none readable."""
+    try:
+        millis = json.loads(body)["message_timestamp"] if body is not None else None
+    except (ValueError, TypeError, KeyError):
+        return None
+    return float(millis) if isinstance(millis, int | float) else None

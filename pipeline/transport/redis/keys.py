@@ -41,6 +41,12 @@ def acks_key(namespace: str, broker_id: str, queue_name: str) -> str:
     return f"{namespace}:__acks__.{broker_id}.{queue_name}"
 
 
+def heartbeats_key(namespace: str) -> str:
+    """The sorted set of consumers' last heartbeats (broker id -> milliseconds), as
+    Dramatiq's dispatch script names it (``heartbeats`` in ``dispatch.lua``)."""
+    return f"{namespace}:__heartbeats__"
+
+
 def wake_key(namespace: str, queue_name: str) -> str:
     """The pipeline's wake-up list of a queue (at most one element; idle consumers block on it)."""
     return f"{namespace}:pipeline-wake:{queue_name}"
