@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections import defaultdict
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import text
 
 from pipeline import NewEvent, Settings, configure
+from pipeline.observability.metrics import REDELIVERY_REASONS
 from pipeline.testhooks import PAUSE_BEFORE_COMMIT
-from tests.support import produce, start_relay, start_worker, stop_process, wait_until
+from tests.support import produce, soak, start_relay, start_worker, stop_process, wait_until
 
 APP = "tests.apps.pause_app"
 TABLE = """
@@ -63,19 +66,24 @@ def stopped(pid: int) -> bool:
 
 
 class Producer(threading.Thread):
-    """Commits events of ``KEYS`` keys in small transactions until stopped."""
+    """Commits events of ``KEYS`` keys in small transactions until stopped, at ``rate``
+    events a second (paced) or as fast as it can with ``pause`` between transactions."""
 
-    def __init__(self, engine, per_transaction: int = 5, pause: float = 0.02) -> None:
+    def __init__(
+        self, engine, per_transaction: int = 5, pause: float = 0.02, rate: float | None = None
+    ) -> None:
         super().__init__(daemon=True)
         self.engine = engine
         self.per_transaction = per_transaction
         self.pause = pause
+        self.rate = rate
         self.halt = threading.Event()
         self.ids: list = []
         self.error: BaseException | None = None
 
     def run(self) -> None:
         n = 0
+        start = time.monotonic()
         try:
             while not self.halt.is_set():
                 events = [
@@ -84,7 +92,10 @@ class Producer(threading.Thread):
                 ]
                 n += self.per_transaction
                 self.ids += produce(self.engine, events, per_transaction=self.per_transaction)
-                time.sleep(self.pause)
+                if self.rate is None:
+                    time.sleep(self.pause)
+                else:  # the next transaction's slot
+                    self.halt.wait(max(0.0, start + n / self.rate - time.monotonic()))
         except BaseException as exc:  # reported by the test
             self.error = exc
 
@@ -199,3 +210,82 @@ def test_a_relay_stopped_before_its_commit_does_not_stop_the_other(
     assert [p.returncode for p in (paused, other, worker)] == [0, 0, 0]
     for log in ("paused.log", "other.log"):
         assert "Traceback" not in (tmp_path / log).read_text(), log
+
+
+def metric_samples(port: int, name: str) -> dict[str, float]:
+    """A metric's samples on a process's /metrics endpoint, by their label text ({} while
+    the endpoint does not answer)."""
+    try:
+        body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    except httpx.TransportError:  # not listening yet
+        return {}
+    return {
+        line.split("{", 1)[1].split("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in body.splitlines()
+        if line.startswith(name + "{")
+    }
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.soak
+def test_a_consumer_that_is_merely_slow_gets_no_copies_of_its_backlog(
+    engine, pause_settings, tmp_path
+):
+    """Handlers sleep 200 ms, events arrive at 100/s (a minute with PIPELINE_SOAK=1): the
+    consumer falls behind by thousands of events, all overdue past a short horizon, and
+    all in flight (queued, prefetched or running). The ledger sends none of them again."""
+    settings = pause_settings.replace(
+        redelivery_horizon_seconds=3.0, reconcile_interval_seconds=1.0, batch_size=200
+    )
+    port = free_port()
+    relay = start_relay(
+        settings, APP, tmp_path / "relay.log", "--mode", "inline", PIPELINE_METRICS_PORT=str(port)
+    )
+    worker = start_worker(
+        settings, APP, tmp_path / "worker.log", threads=8, TEST_HANDLER_SLEEP="0.2"
+    )
+    producer = Producer(engine, per_transaction=5, rate=100.0)
+    seconds = soak(15, 60)
+    try:
+        wait_until(
+            lambda: metric_samples(port, "pipeline_ledger_redeliveries_total"),
+            timeout=60,
+            alive=[relay, worker],
+        )
+        zero = metric_samples(port, "pipeline_ledger_redeliveries_total")
+        producer.start()
+        time.sleep(seconds)  # the offered load's duration, not an assertion
+        producer.halt.set()
+        producer.join(30)
+        assert producer.error is None, producer.error
+        total = len(producer.ids)
+        behind = total - scalar(engine, "SELECT count(*) FROM pause_effects")
+        wait_until(
+            lambda: scalar(engine, "SELECT count(DISTINCT event_id) FROM pause_effects") == total,
+            timeout=600,
+            progress=lambda: scalar(engine, "SELECT count(*) FROM pause_effects"),
+            alive=[relay, worker],
+        )
+        resent = metric_samples(port, "pipeline_ledger_redeliveries_total")
+        logged = scalar(
+            engine, "SELECT count(*) FROM pipeline.delivery_log WHERE kind = 'redelivery'"
+        )
+    finally:
+        producer.halt.set()
+        for process in (worker, relay):
+            stop_process(process)
+    print(
+        f"{total} events in {seconds}s; behind when production stopped: {behind}; "
+        f"re-sent: {logged}; counter: {resent}"
+    )
+    assert {f'consumer="effects",reason="{r}"' for r in REDELIVERY_REASONS} <= set(zero)
+    assert set(zero.values()) == {0.0}, zero
+    assert behind > 0, "the consumer kept up: nothing was in flight long enough to test"
+    assert logged == 0
+    assert sum(resent.values()) == 0, resent
+    assert_effects_once_in_key_order(engine, producer.ids)
