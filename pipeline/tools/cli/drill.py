@@ -19,13 +19,13 @@ from pipeline.tools.cli.options import (
 
 FAULT_KINDS_HELP = (
     "Comma-separated fault kinds to inject (default: every kind this run may do): "
-    "relay-kill, worker-kill, listen-terminate, worker-terminate, postgres-restart-fast, "
-    "postgres-restart-immediate, redis-restart-always, redis-restart-everysec, "
-    "redis-restart-volatile, redis-down, proxy-drop, proxy-stall, clock-skew; with --hosts "
-    "also partition-worker-broker, partition-worker-postgres, partition-worker-both, "
-    "partition-relay-postgres, partition-relay-broker, zombie-relay, link-degrade "
-    "(the proxy kinds then do not apply); with --sentinel sentinel-kill-master and "
-    "sentinel-failover instead of the redis-* kinds."
+    "relay-kill, relay-pause, worker-kill, listen-terminate, worker-terminate, "
+    "postgres-restart-fast, postgres-restart-immediate, redis-restart-always, "
+    "redis-restart-everysec, redis-restart-volatile, redis-down, proxy-drop, proxy-stall, "
+    "clock-skew; with --hosts also partition-worker-broker, partition-worker-postgres, "
+    "partition-worker-both, partition-relay-postgres, partition-relay-broker, zombie-relay, "
+    "link-degrade (the proxy kinds then do not apply); with --sentinel sentinel-kill-master "
+    "and sentinel-failover instead of the redis-* kinds."
 )
 
 

@@ -29,6 +29,7 @@ from pipeline.tools.drill.sql import DrillQueries
 
 KINDS = (
     "relay-kill",
+    "relay-pause",
     "worker-kill",
     "listen-terminate",
     "worker-terminate",
@@ -47,6 +48,7 @@ KINDS = (
 )
 DESCRIPTIONS = {
     "relay-kill": "SIGKILL of a relay process, restarted after 0.5-3 s",
+    "relay-pause": "SIGSTOP of a relay, 1-3 s longer than the lease, then SIGCONT",
     "worker-kill": "SIGKILL of a worker's process group, restarted after 0.5-3 s",
     "listen-terminate": "pg_terminate_backend of relays' LISTEN connections",
     "worker-terminate": "pg_terminate_backend of every database connection of workers",
@@ -78,13 +80,14 @@ ONE_HOST_KINDS = tuple(kind for kind in KINDS if kind not in HOSTS_ONLY | SENTIN
 """What a drill on one host (the default) may inject."""
 STAGING_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in OWNED_ONLY)
 """What a drill against given servers may inject."""
-HOSTS_KINDS = tuple(kind for kind in KINDS if kind not in SENTINEL_ONLY and kind not in PROXY_KINDS)
+HOSTS_KINDS = tuple(kind for kind in KINDS if kind not in SENTINEL_ONLY | set(PROXY_KINDS))
+"""What a drill across hosts may inject."""
 SENTINEL_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in REDIS_ALONE) + tuple(
     sorted(SENTINEL_ONLY)
 )
 """What a drill on a Redis watched by Sentinel may inject."""
-"""What a drill across hosts may inject."""
 FIND_CONNECTIONS_SECONDS = 5.0
+DEFAULT_LEASE_SECONDS = 30.0  # PIPELINE_LEASE_SECONDS when the processes' environment has none
 
 
 @dataclass
@@ -129,6 +132,8 @@ def schedule(
         fault = Fault(kind, offset)
         if kind in ("relay-kill", "worker-kill"):
             fault.seconds = rng.uniform(0.5, 3.0)
+        elif kind == "relay-pause":
+            fault.seconds = rng.uniform(1.0, 3.0)  # beyond the lease
         elif kind in ("redis-down", "sentinel-kill-master"):
             fault.seconds = rng.uniform(2.0, 6.0)
         elif kind == "redis-restart-everysec":
@@ -190,6 +195,8 @@ class Injector:
         kind = fault.kind
         if kind in ("relay-kill", "worker-kill"):
             return self._kill(fault, "relay" if kind == "relay-kill" else "worker")
+        if kind == "relay-pause":
+            return self._pause(fault, "relay")
         if kind == "listen-terminate":
             return self._terminate(fault, "relay", "listen_backends")
         if kind == "worker-terminate":
@@ -237,6 +244,25 @@ class Injector:
         self.wait(fault.seconds)
         self.members.start(member)
         return f"{member.name} killed, restarted after {fault.seconds:.1f} s"
+
+    def _pause(self, fault: Fault, kind: Kind) -> str:
+        """Stop a member (SIGSTOP) for ``fault.seconds`` longer than the lease, then let it
+        go on (SIGCONT): its claims expire while it still holds what it had open."""
+        running = [member for member in self.members.of(kind) if member.running()]
+        if not running:
+            return f"no {kind} running"
+        member = self.rng.choice(running)
+        fault.target = member.name
+        lease = float(self.members.env.get("PIPELINE_LEASE_SECONDS", DEFAULT_LEASE_SECONDS))
+        pause = lease + fault.seconds
+        assert member.child is not None  # running
+        child = member.child
+        child.pause()
+        try:
+            self.wait(pause)
+        finally:
+            child.resume()
+        return f"{member.name} stopped {pause:.1f} s (lease {lease:g} s), then continued"
 
     def _terminate(self, fault: Fault, kind: Kind, query: str) -> str:
         members: list[Member] = self.members.of(kind)

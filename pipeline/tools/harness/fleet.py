@@ -100,6 +100,16 @@ class Child:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=KILL_REAP_SECONDS)
 
+    def pause(self) -> None:
+        """SIGSTOP the child's process group: it stops without dying (``resume`` continues it)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT the child's process group."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGCONT)
+
     def wait_stopped(self, seconds: Callable[[], float]) -> None:
         """Wait for a clean exit while ``seconds()`` allows, then kill the whole group."""
         while self.running() and seconds() > 0:
