@@ -45,6 +45,7 @@ from pipeline.transport.redis.keys import (
     acks_key,
     dead_set_key,
     delay_queue_key,
+    heartbeats_key,
     messages_key,
     queue_key,
     queue_of_messages_key,
@@ -139,6 +140,9 @@ def test_the_key_layout_is_the_one_keys_computes():
     statement(r'^local queue_messages = queue_full_name \.\. "\.msgs"$')
     statement(r'^local queue_full_name = namespace \.\. ":" \.\. queue_name$')
     statement(r'redis\.call\("sadd", queue_acks, message_id\)')  # fetch records it there
+    # Every command records its caller's heartbeat (the ledger reads live consumers there).
+    statement(r'^local heartbeats = namespace \.\. ":__heartbeats__"$')
+    statement(r'^redis\.call\("zadd", heartbeats, timestamp, worker_id\)$')
     # Delayed messages are a queue of their own (<queue>.DQ); rejected ones, of both the
     # queue and its delay queue, a sorted set with a hash named after the queue.
     statement(r'^if string\.sub\(queue_name, -3\) == "\.DQ" then$')
@@ -149,6 +153,7 @@ def test_the_key_layout_is_the_one_keys_computes():
     statement(r'^local xqueue_messages = xqueue_full_name \.\. "\.msgs"$')
     statement(r'redis\.call\("zadd", xqueue_full_name, timestamp, message_id\)')
     assert acks_key("ns", "worker-1", "payments") == "ns:__acks__.worker-1.payments"
+    assert heartbeats_key("ns") == "ns:__heartbeats__"
     assert queue_key("ns", "payments") == "ns:payments"
     assert messages_key("ns", "payments") == "ns:payments.msgs"
     assert delay_queue_key("ns", "payments") == f"ns:{dq_name('payments')}" == "ns:payments.DQ"

@@ -24,6 +24,12 @@ def test_every_kind_at_least_once_when_there_are_enough_faults():
     assert [f.offset for f in faults] == sorted(f.offset for f in faults)
 
 
+def test_a_relay_pause_outlasts_the_lease_by_one_to_three_seconds():
+    pauses = [f for f in schedule(KINDS, 60, 100.0, random.Random(5)) if f.kind == "relay-pause"]
+    assert pauses and all(1.0 <= f.seconds <= 3.0 for f in pauses)
+    assert "relay-pause" in STAGING_KINDS  # done to the drill's own processes only
+
+
 def test_fewer_faults_than_kinds_take_distinct_kinds():
     faults = schedule(KINDS, 4, 10.0, random.Random(1))
     assert len({f.kind for f in faults}) == 4
