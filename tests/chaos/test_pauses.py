@@ -100,11 +100,13 @@ class Producer(threading.Thread):
             self.error = exc
 
 
-def rate(engine, seconds: float) -> float:
-    """Events marked sent per second over the next ``seconds`` (measured, not asserted)."""
-    before, start = sent_count(engine), time.monotonic()
+def rates(engine, producer: Producer, seconds: float) -> tuple[float, float]:
+    """Events marked sent and events committed per second over the next ``seconds``
+    (measured and reported, not asserted)."""
+    sent, made, start = sent_count(engine), len(producer.ids), time.monotonic()
     time.sleep(seconds)
-    return (sent_count(engine) - before) / (time.monotonic() - start)
+    elapsed = time.monotonic() - start
+    return (sent_count(engine) - sent) / elapsed, (len(producer.ids) - made) / elapsed
 
 
 def assert_effects_once_in_key_order(engine, ids: list) -> None:
@@ -144,7 +146,7 @@ def test_a_relay_stopped_before_its_commit_does_not_stop_the_other(
     resumed = False
     try:
         wait_until(lambda: sent_count(engine) > 200, timeout=60, alive=[paused, other, worker])
-        rate_before = rate(engine, 3.0)
+        sent_before, made_before = rates(engine, producer, 3.0)
 
         trigger.touch()  # the paused relay stops itself after its next sent mark
         wait_until(lambda: stopped(paused.pid), timeout=60, alive=[other, worker])
@@ -176,11 +178,12 @@ def test_a_relay_stopped_before_its_commit_does_not_stop_the_other(
             progress=lambda: sent_count(engine),
             alive=[other, worker],
         )
-        rate_paused = rate(engine, 3.0)
+        sent_paused, made_paused = rates(engine, producer, 3.0)
         assert stopped(paused.pid), "the relay resumed before the measurement ended"
         print(
-            f"sent/s before the pause: {rate_before:.0f}; during it, after the lease "
-            f"expired: {rate_paused:.0f}; sessions active in ClientRead: {held}"
+            f"before the pause: {sent_before:.0f} sent/s, {made_before:.0f} committed/s; "
+            f"during it, after the lease expired: {sent_paused:.0f} sent/s, "
+            f"{made_paused:.0f} committed/s; sessions active in ClientRead: {held}"
         )
         os.kill(paused.pid, signal.SIGCONT)
         resumed = True
