@@ -186,6 +186,10 @@ BAD_VALUES = {
     "backlog_limit": "many",
     "message_key": "too-short-a-secret",
     "message_key_previous": "too-short-a-secret",
+    "lock_timeout_ms": "-1",
+    "statement_timeout_ms": "1.5",
+    "idle_in_transaction_timeout_ms": "never",
+    "tcp_keepalives_idle_seconds": "-10",
 }
 
 
