@@ -31,6 +31,7 @@ TABLE = """
 CREATE TABLE pause_effects (id bigserial PRIMARY KEY, event_id uuid NOT NULL,
                             ordering_key text, seq bigint NOT NULL);
 """
+CLAIM_LOCK = "pipeline.claim.pipeline"  # the advisory lock claims take (functions.sql)
 KEYS = 500  # many keys: a stopped relay's batch holds back only a few of them
 
 
@@ -292,3 +293,37 @@ def test_a_consumer_that_is_merely_slow_gets_no_copies_of_its_backlog(
     assert logged == 0
     assert sum(resent.values()) == 0, resent
     assert_effects_once_in_key_order(engine, producer.ids)
+
+
+def test_a_claim_that_gives_up_waiting_is_retried_with_one_line(engine, pause_settings, tmp_path):
+    """A lock held past PIPELINE_LOCK_TIMEOUT_MS (here the claims' own lock, held by the
+    test) makes the relay's claim give up: one line, no traceback, and it publishes once
+    the lock is free."""
+    log = tmp_path / "relay.log"
+    relay = start_relay(
+        pause_settings,
+        APP,
+        log,
+        "--mode",
+        "inline",
+        PIPELINE_METRICS_PORT="0",
+        PIPELINE_LOCK_TIMEOUT_MS="200",
+    )
+    try:
+        wait_until(lambda: "relay started" in log.read_text(), timeout=60, alive=[relay])
+        with engine.connect() as holder, holder.begin():
+            holder.execute(
+                text("SELECT pg_advisory_xact_lock(hashtext('pipeline.claim.pipeline'))")
+            )
+            ids = produce(engine, [NewEvent("order.placed", {"i": 1}, aggregate_id="1")])
+            wait_until(lambda: "gave up waiting" in log.read_text(), timeout=60, alive=[relay])
+            assert sent_count(engine) == 0
+        wait_until(lambda: sent_count(engine) == 1, timeout=60, alive=[relay])
+    finally:
+        stop_process(relay)
+    text_ = log.read_text()
+    assert relay.returncode == 0
+    assert "Traceback" not in text_
+    lines = [line for line in text_.splitlines() if "gave up waiting" in line]
+    assert lines and all("PIPELINE_LOCK_TIMEOUT_MS" in line for line in lines), lines
+    assert scalar(engine, "SELECT count(*) FROM pipeline.outbox WHERE status = 'sent'") == len(ids)
