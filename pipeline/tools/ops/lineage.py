@@ -148,9 +148,18 @@ def _deliveries(
                 redeliveries=0,
             )
     for delivery in found.values():
+        # A row the relay recorded before publishing is owed only once the event is sent,
+        # counted from the later of its publication and the row's own date.
         unfinished = delivery.status in ("delivered", "pending", "failed")
         since = delivery.delivered_at
-        delivery.owed = unfinished and since is not None and (now - since).total_seconds() > horizon
+        if since is not None and published_at is not None:
+            since = max(since, published_at)
+        delivery.owed = (
+            unfinished
+            and published_at is not None
+            and since is not None
+            and (now - since).total_seconds() > horizon
+        )
     return [found[name] for name in sorted(found)]
 
 
