@@ -147,6 +147,11 @@ def test_a_relay_stopped_before_its_commit_does_not_stop_the_other(
     resumed = False
     try:
         wait_until(lambda: sent_count(engine) > 200, timeout=60, alive=[paused, other, worker])
+        wait_until(  # caught up with the producer: the rate before is the steady one
+            lambda: len(producer.ids) - sent_count(engine) < 50,
+            timeout=60,
+            alive=[paused, other, worker],
+        )
         sent_before, made_before = rates(engine, producer, 3.0)
 
         trigger.touch()  # the paused relay stops itself after its next sent mark

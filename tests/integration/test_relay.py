@@ -440,3 +440,47 @@ def test_claims_do_not_revisit_the_index_entries_of_sent_events(engine, runtime)
     produce(engine, [NewEvent("user.seen", {"n": -1})])
     assert len(drainer.claim()[1]) == 1
     assert entries_read() - before < 50  # not the 1,500 entries of the sent events
+
+
+def test_ordered_consumers_rows_are_recorded_before_publishing_and_a_dead_event_stops_ordering(
+    engine, runtime, consumers
+):
+    consumers.subscribe("sequenced", ["poison", "order.placed"], ordered=True)
+    settings = runtime.settings.replace(
+        publish_max_attempts=2, publish_backoff_base=0.01, publish_backoff_max=0.02
+    )
+    drainer = drainer_for(runtime, FlakyPublisher(runtime.publisher))
+    drainer.settings = settings
+    poison_id = produce(engine, [NewEvent("poison", {"x": 1}, aggregate_id="bad")])[0]
+    after_id = produce(engine, [NewEvent("order.placed", {"x": 2}, aggregate_id="bad")])[0]
+    drainer.run_batch()  # the poison fails its first attempt; the key's run is given back
+    rows = drainer.conn.execute(
+        "SELECT event_id, status, seq IS NOT NULL FROM pipeline.inbox WHERE consumer = 'sequenced'"
+    ).fetchall()
+    assert sorted(rows) == sorted([(poison_id, "pending", True), (after_id, "pending", True)])
+    assert statuses(engine) == {"pending": 2}  # recorded before publishing, neither sent
+    deadline = time.monotonic() + 30
+    while statuses(engine).get("sent", 0) < 1 and time.monotonic() < deadline:
+        drainer.run_batch()
+        time.sleep(0.01)
+    assert statuses(engine) == {"dead": 1, "sent": 1}
+    rows = {
+        row[0]: row[1:]
+        for row in drainer.conn.execute(
+            "SELECT event_id, status, seq IS NOT NULL, last_error_class FROM pipeline.inbox "
+            "WHERE consumer = 'sequenced'"
+        ).fetchall()
+    }
+    # the dead event's row no longer orders its key; the next event's row is on its way
+    assert rows == {
+        poison_id: ("pending", False, "DeadAtPublish"),
+        after_id: ("pending", True, None),
+    }
+    held = drainer.conn.execute(
+        "SELECT EXISTS (SELECT 1 FROM pipeline.inbox p JOIN pipeline.inbox i "
+        "ON i.consumer = p.consumer AND i.ordering_key = p.ordering_key "
+        "WHERE i.event_id = %s AND p.consumer = 'sequenced' "
+        "AND p.status IN ('pending', 'failed') AND p.seq < i.seq)",
+        [after_id],
+    ).fetchone()
+    assert held == (False,)
