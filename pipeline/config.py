@@ -42,6 +42,8 @@ BOUNDS = (
 
 MESSAGE_KEY_OFF = frozenset({"insecure", "none"})  # PIPELINE_MESSAGE_KEY values: no signing
 MESSAGE_KEY_MIN_CHARS = 32
+AMQP_URL_PREFIXES = ("amqp://", "amqps://")
+BROKER_URL_PREFIXES = ("redis://", "rediss://", "unix://", "redis+sentinel://", *AMQP_URL_PREFIXES)
 
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
@@ -113,7 +115,7 @@ class Settings(BaseSettings):
     )
 
     database_url: SecretStr | None = None
-    redis_url: SecretStr | None = None
+    redis_url: SecretStr | None = None  # the older name of broker_url (an alias)
     schema_name: str = "pipeline"
     redis_namespace: str = "pipeline"
     app_modules: str = ""  # comma-separated modules that register consumers
@@ -156,6 +158,19 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     trace_ui_url: str | None = None
     canary_interval: Annotated[float, Field(ge=0)] = 15.0  # seconds; 0 turns the canary off
+
+    # Message broker (transport). PIPELINE_BROKER_URL picks it by scheme: redis://, rediss://,
+    # unix:// (Dramatiq on Redis) or amqp://, amqps:// (Dramatiq on RabbitMQ, quorum queues,
+    # publisher confirms). PIPELINE_REDIS_URL is the older name of the same setting.
+    broker_url: SecretStr | None = None
+    # RabbitMQ only: the management API (queue listing, doctor checks); default: the broker's
+    # host on port 15672 with the broker URL's credentials.
+    broker_management_url: SecretStr | None = None
+    # RabbitMQ only: the server's consumer_timeout (a delivery held unacknowledged longer is
+    # given back and its channel closed); `pipeline doctor` compares it with handler limits.
+    broker_consumer_timeout_ms: PositiveInt = 1_800_000
+    broker_prefetch_max: PositiveInt = 1000  # RabbitMQ only: prefetch bound per consumer
+    broker_confirm_timeout: PositiveFloat = 30.0  # RabbitMQ only: seconds to wait for confirms
 
     # Delivery ledger: Postgres knows what each consumer is owed; Redis only carries it
     redelivery_horizon_seconds: PositiveFloat = 60.0  # an outcome overdue this long: send again
@@ -283,13 +298,33 @@ class Settings(BaseSettings):
         check_postgres_url(libpq_url(url))
         return value
 
-    @field_validator("redis_url")
+    @model_validator(mode="after")
+    def _broker_url_alias(self) -> Self:
+        """PIPELINE_REDIS_URL and PIPELINE_BROKER_URL name one setting: either fills both."""
+        broker, old = self.broker_url, self.redis_url
+        if broker is None and old is not None:
+            object.__setattr__(self, "broker_url", old)  # frozen: set once, while validating
+        elif old is None and broker is not None:
+            object.__setattr__(self, "redis_url", broker)
+        elif broker is not None and old is not None and _secret(broker) != _secret(old):
+            raise ValueError(
+                f"{ENV_PREFIX}BROKER_URL and {ENV_PREFIX}REDIS_URL differ: set only "
+                f"{ENV_PREFIX}BROKER_URL ({ENV_PREFIX}REDIS_URL is its older name)"
+            )
+        return self
+
+    @field_validator("redis_url", "broker_url")
     @classmethod
-    def _redis_url(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and not value.get_secret_value().startswith(
-            ("redis://", "rediss://", "unix://", "redis+sentinel://")
-        ):
-            raise ValueError("must start with redis://, rediss://, unix:// or redis+sentinel://")
+    def _broker_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().startswith(BROKER_URL_PREFIXES):
+            raise ValueError("must start with redis://, rediss://, unix://, redis+sentinel://, amqp:// or amqps://")
+        return value
+
+    @field_validator("broker_management_url")
+    @classmethod
+    def _management_url(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
         return value
 
     @field_validator("message_key", "message_key_previous")
@@ -322,6 +357,9 @@ class Settings(BaseSettings):
         """A validated copy with ``changes`` applied (``model_copy`` would skip validation)."""
         values = {name: getattr(self, name) for name in type(self).model_fields}
         values.update(changes)
+        for name, alias in (("broker_url", "redis_url"), ("redis_url", "broker_url")):
+            if name in changes and alias not in changes:  # one setting under two names
+                values[alias] = changes[name]
         return load_settings(**values)
 
     def app_module_names(self) -> list[str]:
@@ -333,10 +371,24 @@ class Settings(BaseSettings):
             raise ConfigurationError(f"{ENV_PREFIX}DATABASE_URL is not set")
         return libpq_url(self.database_url.get_secret_value())
 
+    def require_broker_url(self) -> str:
+        """The broker URL (``PIPELINE_BROKER_URL``, or its older name ``PIPELINE_REDIS_URL``)."""
+        if self.broker_url is None:
+            raise ConfigurationError(
+                f"{ENV_PREFIX}BROKER_URL is not set (or its older name {ENV_PREFIX}REDIS_URL)"
+            )
+        return self.broker_url.get_secret_value()
+
     def require_redis_url(self) -> str:
-        if self.redis_url is None:
-            raise ConfigurationError(f"{ENV_PREFIX}REDIS_URL is not set")
-        return self.redis_url.get_secret_value()
+        """The broker URL, by its older name (kept for callers written before RabbitMQ)."""
+        return self.require_broker_url()
+
+    @property
+    def broker_is_amqp(self) -> bool:
+        """True when the broker URL names RabbitMQ (``amqp://`` or ``amqps://``)."""
+        return self.broker_url is not None and self.broker_url.get_secret_value().startswith(
+            AMQP_URL_PREFIXES
+        )
 
     def sqlalchemy_url(self) -> str:
         """The database URL with the psycopg 3 dialect, for SQLAlchemy engines."""
@@ -371,6 +423,10 @@ def libpq_url(url: str) -> str:
     if scheme in ("postgresql+psycopg", "postgres"):
         scheme = "postgresql"
     return f"{scheme}://{rest}"
+
+
+def _secret(value: object) -> object:
+    return value.get_secret_value() if isinstance(value, SecretStr) else value
 
 
 _PARSE_FAILURE = re.compile(r'field "(\w+)"')

@@ -1,6 +1,6 @@
 """Start and wait: a relay or worker started before its servers (or schema) waits for them.
 
-Processes are started by supervisors that do not order them after Postgres, Redis and
+Processes are started by supervisors that do not order them after Postgres, the broker and
 ``pipeline db upgrade``. Instead of dying with a traceback, ``pipeline relay`` and
 ``pipeline worker`` check what they need before they start work and, while something is
 missing, log one line per backoff step with the reason and the next wait, until it is
@@ -16,16 +16,15 @@ import threading
 from collections.abc import Mapping
 
 import psycopg
-import redis
 from psycopg import sql
 
 from pipeline.backoff import Backoff
-from pipeline.config import Settings, redact_url, validate_identifier
+from pipeline.config import Settings, validate_identifier
 from pipeline.db.connect import connect, describe_server, driver_reason, schema_missing_message
 from pipeline.db.migrate import available_migrations
 from pipeline.db.privileges import require_privileges
 from pipeline.errors import ServiceUnavailableError
-from pipeline.transport.redis.client import redis_client
+from pipeline.transport.factory import broker_problem
 
 log = logging.getLogger("pipeline.readiness")
 FIRST_WAIT = 0.5
@@ -65,17 +64,13 @@ def postgres_problem(settings: Settings) -> str | None:
     return None
 
 
-def redis_problem(settings: Settings) -> str | None:
-    """Why Redis cannot be used yet, or None."""
-    url = settings.require_redis_url()
-    client = redis_client(url, CHECK_TIMEOUT)
-    try:
-        client.ping()
-    except redis.RedisError as exc:
-        return f"cannot use Redis at {redact_url(url)}: {type(exc).__name__}: {exc}"
-    finally:
-        client.close()
-    return None
+def transport_problem(settings: Settings) -> str | None:
+    """Why the message broker (Redis or RabbitMQ, by the URL's scheme) cannot be used yet,
+    or None."""
+    return broker_problem(settings)
+
+
+redis_problem = transport_problem  # its name before the broker could be RabbitMQ
 
 
 def privileges_problem(
@@ -107,7 +102,9 @@ def wait_for_services(
     grants: Mapping[str, frozenset[str]] | None = None,
 ) -> bool:
     """Block until Postgres (with the schema and, given ``grants``, the role's grants) and,
-    if needed, Redis are usable.
+    if needed, the broker are usable.
+
+    ``redis_needed`` (a name kept from before RabbitMQ) asks for the broker, whichever it is.
 
     Returns False when ``stop`` was set first. Each failed check logs one warning with
     the reason and the wait before the next check; the waits double up to
@@ -117,7 +114,7 @@ def wait_for_services(
     while not stop.is_set():
         problem = postgres_problem(settings)
         if problem is None and redis_needed:
-            problem = redis_problem(settings)
+            problem = transport_problem(settings)
         if problem is None and grants is not None:
             problem = privileges_problem(settings, grants, f"pipeline {role}")
         if problem is None:

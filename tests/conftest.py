@@ -177,6 +177,43 @@ def empty_database_url(postgres_server_url: str) -> Iterator[str]:
         drop_database(postgres_server_url, name)
 
 
+AMQP_TEST_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+
+
+@pytest.fixture(scope="session")
+def amqp_server_url() -> str:
+    """A RabbitMQ server: ``PIPELINE_TEST_AMQP_URL``, else the machine's on 127.0.0.1:5672.
+
+    The tests that need it skip, with the reason in one line, where none answers.
+    """
+    url = os.environ.get("PIPELINE_TEST_AMQP_URL", AMQP_TEST_URL)
+    from pipeline.transport.amqp.transport import AmqpTransport
+
+    problem = AmqpTransport.problem(Settings(broker_url=url))  # type: ignore[arg-type]
+    if problem is not None:
+        pytest.skip(f"no RabbitMQ: {problem} (set PIPELINE_TEST_AMQP_URL)")
+    return url
+
+
+@pytest.fixture
+def amqp_settings(database_url: str, amqp_server_url: str) -> Iterator[Settings]:
+    """Settings for this test's database and a queue namespace of its own on RabbitMQ,
+    installed process-wide; the namespace's queues are deleted afterwards."""
+    namespace = f"t{RUN_ID}{uuid.uuid4().hex[:8]}"
+    value = Settings(
+        database_url=database_url,  # type: ignore[arg-type]
+        broker_url=amqp_server_url,  # type: ignore[arg-type]
+        redis_namespace=namespace,
+        canary_interval=0,
+    )
+    configure(value)
+    try:
+        yield value
+    finally:
+        configure(None)
+        delete_namespace(amqp_server_url, namespace)
+
+
 @pytest.fixture
 def redis_namespace(redis_server_url: str) -> Iterator[str]:
     """A key namespace private to this test; only its own keys are deleted afterwards."""

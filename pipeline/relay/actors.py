@@ -43,7 +43,7 @@ class PublishingDispatcher:
         self.settings = settings
         self.actor = actor
         self.transport = transport
-        self.slots = transport.publisher_slots(SLOTS_NAME)
+        self.slots = transport.publisher_slots(SLOTS_NAME, PUBLISH_QUEUE_NAME)
         self.slot_ttl = settings.lease_seconds * 2
 
     def __call__(self) -> int:
@@ -68,7 +68,7 @@ def declare_publishing_actor(
 ) -> dramatiq.Actor[Any, Any]:
     """Bind the publishing actor to the transport's broker (no import-time side effects)."""
     local = threading.local()
-    slots = transport.publisher_slots(SLOTS_NAME)
+    slots = transport.publisher_slots(SLOTS_NAME, PUBLISH_QUEUE_NAME)
     # Stay well inside the time limit (the lease): an interrupted batch only costs a retry.
     budget = min(ACTOR_TIME_BUDGET, settings.lease_seconds / 4)
 

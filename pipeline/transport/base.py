@@ -104,8 +104,10 @@ class Transport(ABC):
         """The relay's batch publisher on this transport (``source``: CloudEvents source)."""
 
     @abstractmethod
-    def publisher_slots(self, name: str) -> Slots:
-        """The shared slot set called ``name`` (bounds the publishing actors in flight)."""
+    def publisher_slots(self, name: str, queue: str | None = None) -> Slots:
+        """The shared slot set called ``name`` (bounds the publishing actors in flight);
+        ``queue`` is the queue its holders are sent to (a transport without a shared lease
+        set may bound the slots by that queue's depth)."""
 
     @abstractmethod
     def as_unavailable(self, exc: BaseException) -> PublisherUnavailable | None:
@@ -130,6 +132,11 @@ class Transport(ABC):
 
         A transport failure raises :class:`~pipeline.errors.ServiceUnavailableError`.
         """
+
+    @classmethod
+    @abstractmethod
+    def problem(cls, settings: Settings) -> str | None:
+        """Why the broker cannot be used yet (one line, no secrets), or None when it answers."""
 
     @classmethod
     @abstractmethod

@@ -142,6 +142,11 @@ def test_sqlalchemy_url_uses_psycopg3():
 BAD_VALUES = {
     "database_url": "mysql://x",
     "redis_url": "http://x",
+    "broker_url": "kafka://x",
+    "broker_management_url": "localhost:15672",
+    "broker_consumer_timeout_ms": "0",
+    "broker_prefetch_max": "0",
+    "broker_confirm_timeout": "-1",
     "schema_name": "Bad-Name",
     "redis_namespace": "has space",
     "app_modules": "no_such_module_for_pipeline_tests",

@@ -58,6 +58,10 @@ DRAMATIQ_PRIVATE_NAMES = {
     "_should_do_maintenance": "test_the_private_consumer_still_has_what_the_subclass_uses",
     "_max_unpack_size": "test_the_private_consumer_still_has_what_the_subclass_uses",
     "_exception": "test_the_exception_that_failed_a_message_is_where_current_exception_reads",
+    "_RabbitmqConsumer": "test_the_private_rabbitmq_classes_still_have_what_the_subclass_uses",
+    "_RabbitmqMessage": "test_the_private_rabbitmq_classes_still_have_what_the_subclass_uses",
+    "_nack": "test_the_private_rabbitmq_classes_still_have_what_the_subclass_uses",
+    "_impl": "test_pikas_blocking_channel_still_has_the_channel_the_publisher_confirms_on",
 }
 
 SCRIPT = (importlib.resources.files("dramatiq.brokers") / "redis" / "dispatch.lua").read_text()
@@ -342,3 +346,48 @@ def test_every_private_name_the_transport_uses_is_pinned_here():
     assert used - defined == set(DRAMATIQ_PRIVATE_NAMES)
     tests = {name for name, value in globals().items() if name.startswith("test_")}
     assert set(DRAMATIQ_PRIVATE_NAMES.values()) <= tests
+
+
+def test_the_private_rabbitmq_classes_still_have_what_the_subclass_uses():
+    """The RabbitMQ broker subclasses Dramatiq's consumer and re-implements its ``__next__``
+    and queue declarations (``pipeline/transport/amqp/broker.py``)."""
+    from dramatiq.brokers.rabbitmq import RabbitmqBroker, _RabbitmqConsumer, _RabbitmqMessage
+
+    from pipeline.transport.amqp.broker import PipelineRabbitmqBroker, PipelineRabbitmqConsumer
+
+    assert issubclass(PipelineRabbitmqConsumer, _RabbitmqConsumer)
+    assert list(inspect.signature(_RabbitmqConsumer).parameters) == [
+        "broker",
+        "queue_name",
+        "prefetch",
+        "timeout",
+    ]
+    assert list(inspect.signature(_RabbitmqMessage).parameters) == ["redelivered", "tag", "message"]
+    assert list(inspect.signature(_RabbitmqConsumer._nack).parameters) == ["self", "tag"]
+    init = inspect.getsource(_RabbitmqConsumer.__init__)
+    for attribute in ("self.connection", "self.channel", "self.iterator", "self.known_tags"):
+        assert f"{attribute} =" in init, attribute
+    ensure = inspect.getsource(RabbitmqBroker._ensure_queue)
+    for call in ("_declare_queue(", "_declare_dq_queue(", "_declare_xq_queue("):
+        assert call in ensure, call
+    for name in ("_declare_queue", "_declare_dq_queue", "_declare_xq_queue"):
+        assert name in PipelineRabbitmqBroker.__dict__, name  # every declaration is ours
+    worker = inspect.getsource(dramatiq.worker._ConsumerThread.handle_delayed_messages)
+    assert "self.broker.enqueue(new_message)" in worker  # a due delayed message: our enqueue
+    assert worker.index("self.broker.enqueue(") < worker.index("self.post_process_message(")
+
+
+def test_pikas_blocking_channel_still_has_the_channel_the_publisher_confirms_on():
+    """The publisher confirms a batch in one round on the blocking channel's ``_impl``."""
+    import pika.adapters.blocking_connection as blocking
+    import pika.channel
+
+    init = inspect.getsource(blocking.BlockingChannel.__init__)
+    assert "self._impl = channel_impl" in init
+    assert list(inspect.signature(pika.channel.Channel.confirm_delivery).parameters) == [
+        "self",
+        "ack_nack_callback",
+        "callback",
+    ]
+    publish = list(inspect.signature(pika.channel.Channel.basic_publish).parameters)
+    assert publish[:6] == ["self", "exchange", "routing_key", "body", "properties", "mandatory"]

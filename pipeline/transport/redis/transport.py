@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 import redis
 
+from pipeline.config import Settings, redact_secrets, redact_url
 from pipeline.driver_errors import translate
 from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
 from pipeline.signing import EnvelopeSigner
@@ -87,7 +88,7 @@ class RedisTransport(Transport):
             self.broker, source, signer=EnvelopeSigner.from_settings(self.settings, source)
         )
 
-    def publisher_slots(self, name: str) -> Slots:
+    def publisher_slots(self, name: str, queue: str | None = None) -> Slots:
         return RedisSlots(self.broker.client, f"{self.namespace}:{name}")
 
     def as_unavailable(self, exc: BaseException) -> PublisherUnavailable | None:
@@ -136,6 +137,19 @@ class RedisTransport(Transport):
         except redis.RedisError as exc:
             error = translate(exc, self.settings)
             raise (error or ServiceUnavailableError(str(exc))) from exc
+
+    @classmethod
+    def problem(cls, settings: Settings) -> str | None:
+        url = settings.require_broker_url()
+        client = redis_client(url, 5.0)
+        try:
+            client.ping()
+        except redis.RedisError as exc:
+            reason = redact_secrets(f"{type(exc).__name__}: {exc}", url)
+            return f"cannot use Redis at {redact_url(url)}: {reason}"
+        finally:
+            client.close()
+        return None
 
     @classmethod
     def delete_namespace(cls, url: str, namespace: str) -> None:

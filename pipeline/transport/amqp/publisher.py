@@ -1,0 +1,218 @@
+"""The RabbitMQ adapter of the :class:`~pipeline.transport.publisher.Publisher` port.
+
+A batch is published with **one confirm round**: every message of the batch goes out on
+a channel in confirm mode, then the publisher waits until the broker has confirmed
+(``basic.ack``) or refused (``basic.nack``) all of them. pika's blocking channel waits
+for each publish's confirm in turn, so the batch is published on the channel's
+underlying asynchronous channel (``BlockingChannel._impl``, pika's private attribute;
+pinned with pika's major version and exercised by ``tests/integration/test_amqp_transport.py``)
+while the blocking connection runs the I/O.
+
+A batch the broker did not confirm in full (a nack, a message returned unroutable, a
+connection lost, no confirm within ``PIPELINE_BROKER_CONFIRM_TIMEOUT``) raises
+:class:`~pipeline.errors.PublisherUnavailable`: nothing of it is marked sent, no event
+counts an attempt, and the relay offers the batch again (the inbox absorbs what the
+broker had kept of it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import pika
+import pika.exceptions
+from dramatiq.errors import ConnectionClosed
+from pika.spec import Basic
+
+from pipeline.envelope import encode_envelope
+from pipeline.errors import PermanentPublishError, PublisherUnavailable
+from pipeline.transport.amqp.broker import PipelineRabbitmqBroker
+from pipeline.transport.publisher import Delivery
+
+PERSISTENT = 2
+
+
+def unavailable(exc: BaseException | str) -> PublisherUnavailable:
+    """A RabbitMQ failure, as the transport being down."""
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return PublisherUnavailable(f"RabbitMQ unavailable: {text}")
+
+
+def message_json(
+    queue_name: str, actor_name: str, envelopes: str, message_id: str, timestamp_ms: int
+) -> str:
+    """The Dramatiq message calling ``actor_name`` with one argument, ``[envelopes]``.
+
+    Names and ids are plain (validated queue and actor names, UUIDs) and need no escaping.
+    """
+    return (
+        f'{{"queue_name":"{queue_name}","actor_name":"{actor_name}",'
+        f'"args":[[{envelopes}]],"kwargs":{{}},"options":{{}},'
+        f'"message_id":"{message_id}","message_timestamp":{timestamp_ms}}}'
+    )
+
+
+class AmqpPublisher:
+    """Publishes each delivery as one persistent Dramatiq message; one confirm round a batch."""
+
+    def __init__(
+        self,
+        broker: PipelineRabbitmqBroker,
+        source: str,
+        confirm_timeout: float = 30.0,
+        max_message_bytes: int = 64 * 1024 * 1024,
+    ) -> None:
+        self.broker = broker
+        self.source = source
+        self.confirm_timeout = confirm_timeout
+        self.max_message_bytes = max_message_bytes
+        self._connection: pika.BlockingConnection | None = None
+        self._channel: Any = None
+        self._next_tag = 1
+        self._confirmed: dict[int, bool] = {}  # delivery tag -> acked (False: nacked)
+        self._returned = 0
+
+    # -- connection ------------------------------------------------------------------------
+    def _open(self) -> Any:
+        if self._channel is not None and self._channel.is_open:
+            return self._channel
+        self._drop()
+        connection = pika.BlockingConnection(self.broker.parameters)
+        channel = connection.channel()
+        impl = channel._impl  # the asynchronous channel under pika's blocking one
+        selected: list[bool] = []
+        impl.confirm_delivery(
+            ack_nack_callback=self._on_confirm, callback=lambda _frame: selected.append(True)
+        )
+        deadline = time.monotonic() + self.confirm_timeout
+        while not selected:
+            if time.monotonic() > deadline:
+                connection.close()
+                raise unavailable("no reply to confirm.select")
+            connection.process_data_events(time_limit=0.05)
+        channel.add_on_return_callback(self._on_return)
+        self._connection, self._channel = connection, channel
+        self._next_tag = 1
+        self._confirmed.clear()
+        return channel
+
+    def _drop(self) -> None:
+        connection, self._connection, self._channel = self._connection, None, None
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(Exception):  # already failing; the next batch reconnects
+                connection.close()
+
+    def _on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        acked = isinstance(method, Basic.Ack)
+        tag = method.delivery_tag
+        if method.multiple:
+            for pending in range(self._first_unconfirmed, tag + 1):
+                self._confirmed.setdefault(pending, acked)
+        else:
+            self._confirmed[tag] = acked
+
+    _first_unconfirmed = 1
+
+    def _on_return(self, *_args: Any) -> None:
+        self._returned += 1
+
+    # -- Publisher port --------------------------------------------------------------------
+    def encode(self, delivery: Delivery, cache: dict[uuid.UUID, str]) -> bytes:
+        parts = []
+        for event in delivery.events:
+            text = cache.get(event.id)
+            if text is None:
+                text = cache[event.id] = encode_envelope(event, self.source)
+            parts.append(text)
+        subscription = delivery.subscription
+        return message_json(
+            subscription.queue,
+            subscription.actor_name,
+            ",".join(parts),
+            str(uuid.uuid4()),
+            int(time.time() * 1000),
+        ).encode()
+
+    def deliver(self, deliveries: Sequence[Delivery]) -> list[BaseException | None]:
+        if not deliveries:
+            return []
+        outcomes: list[BaseException | None] = [None] * len(deliveries)
+        envelopes: dict[uuid.UUID, str] = {}
+        bodies: list[tuple[str, bytes]] = []
+        for index, delivery in enumerate(deliveries):
+            body = self.encode(delivery, envelopes)
+            if len(body) > self.max_message_bytes:
+                outcomes[index] = PermanentPublishError(
+                    f"message of {len(body)} bytes exceeds the {self.max_message_bytes}-byte limit"
+                )
+                continue
+            bodies.append((delivery.subscription.queue, body))
+        if bodies:
+            try:
+                self._publish(bodies)
+            except PublisherUnavailable:
+                self._drop()
+                raise
+            except (pika.exceptions.AMQPError, ConnectionClosed, OSError) as exc:
+                self._drop()
+                del self.broker.connection
+                self.broker.queues_pending.update(self.broker.queues)
+                raise unavailable(exc) from exc
+        return outcomes
+
+    def _publish(self, bodies: list[tuple[str, bytes]]) -> None:
+        for queue in sorted({queue for queue, _ in bodies}):
+            self.broker.declare_queue(queue, ensure=True)  # quorum, once per process
+        channel = self._open()
+        impl = channel._impl
+        connection = self._connection
+        assert connection is not None
+        first = self._next_tag
+        self._first_unconfirmed = first
+        self._returned = 0
+        properties = pika.BasicProperties(delivery_mode=PERSISTENT)
+        for queue, body in bodies:
+            impl.basic_publish(
+                exchange="",
+                routing_key=self.broker.physical(queue),
+                body=body,
+                properties=properties,
+                mandatory=True,
+            )
+        self._next_tag = last = first + len(bodies) - 1
+        self._next_tag += 1
+        deadline = time.monotonic() + self.confirm_timeout
+        while any(tag not in self._confirmed for tag in range(first, last + 1)):
+            if time.monotonic() > deadline:
+                raise unavailable(f"no confirm within {self.confirm_timeout:.0f}s")
+            connection.process_data_events(time_limit=0.05)
+        connection.process_data_events(time_limit=0)  # hand over returns received
+        refused = sum(1 for tag in range(first, last + 1) if not self._confirmed.pop(tag))
+        if refused:
+            raise unavailable(f"the broker refused {refused} of {len(bodies)} messages (nack)")
+        if self._returned:
+            self.broker.queues_pending.update(q for q, _ in bodies)
+            raise unavailable(f"{self._returned} messages returned unroutable (queue missing)")
+
+    def oldest_waiting(self, queue: str) -> datetime | None:
+        """Now when the queue holds ready messages, else None.
+
+        RabbitMQ cannot show a queue's head without taking it, so a queue with any
+        message waiting counts as holding the youngest delivery too: the ledger sweep
+        resends nothing for it until it has drained.
+        """
+        try:
+            counts = self.broker.get_queue_message_counts(queue)
+        except (pika.exceptions.AMQPError, ConnectionClosed, OSError) as exc:
+            del self.broker.connection
+            raise unavailable(exc) from exc
+        return datetime.now(UTC) if counts[0] else None
+
+    def close(self) -> None:
+        self._drop()
