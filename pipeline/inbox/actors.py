@@ -6,10 +6,10 @@
 * a sink that dead-letters undecodable bytes found on a queue.
 
 Handler exceptions never reach Dramatiq (the processor retries them with its own
-bookkeeping); what does reach it is an infrastructure failure (database or Redis
+bookkeeping); what does reach it is an infrastructure failure (database or broker
 down, the connection killed), which Dramatiq's Retries middleware re-delivers with
 capped exponential backoff — counted and logged here, and made harmless by the inbox.
-Should Redis lose even that retry, the relay's ledger sweep delivers the event again.
+Should the broker lose even that retry, the relay's ledger sweep delivers the event again.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The relay commits a ``pipeline.canary`` event every ``PIPELINE_CANARY_INTERVAL``
 seconds; the built-in consumer (:mod:`pipeline.inbox.canary`) records its arrival. A
-pipeline that stalls silently — relay dead, workers wedged, Redis gone — shows as a
+pipeline that stalls silently — relay dead, workers wedged, the broker gone — shows as a
 growing age (``time() - pipeline_canary_last_success_timestamp_seconds``).
 """
 

@@ -1,9 +1,9 @@
 """The delivery ledger's sweep: send again what a consumer is owed past the horizon.
 
-Redis carries deliveries; Postgres is their source of truth. Each event marked sent
+The broker carries deliveries; Postgres is their source of truth. Each event marked sent
 records the consumers it went to (``outbox.consumers``), and each consumer's inbox row
 holds the outcome, so for every (event, consumer) Postgres can tell whether it was
-processed, dead-lettered, or is still owed. A Redis that forgets (restart without
+processed, dead-lettered, or is still owed. A broker that forgets (a Redis restart without
 persistence, the AOF's last second, eviction, failover to an empty replica) or a worker
 that dropped a message therefore delays an event but cannot lose it:
 

@@ -1,11 +1,14 @@
-"""The pipeline's state as Postgres and Redis hold it: backlog, dead letters, queue depths.
+"""The pipeline's state as Postgres and the broker hold it: backlog, dead letters, queue depths.
 
 One snapshot is two cheap SQL statements (:class:`pipeline.db.stores.state.StateStore`)
-plus one pipelined Redis round trip. :class:`StateCollector` serves it as Prometheus gauges,
-refreshed at most every ``PIPELINE_STATE_METRICS_INTERVAL`` seconds however often it
-is scraped; ``pipeline status`` reads it once. The state is the same whichever
-process reads it, so one collector per deployment is enough: ``pipeline relay``
-registers one (with several relays, aggregate with ``max``, not ``sum``).
+plus the broker's queue depths (one pipelined round trip on Redis, a passive declaration
+per queue on RabbitMQ). The broker's ``pipeline_state_up`` series keeps the label
+``source="redis"`` whichever the transport, so alerts on it stay as they are.
+:class:`StateCollector` serves it as Prometheus gauges, refreshed at most every
+``PIPELINE_STATE_METRICS_INTERVAL`` seconds however often it is scraped; ``pipeline
+status`` reads it once. The state is the same whichever process reads it, so one
+collector per deployment is enough: ``pipeline relay`` registers one (with several
+relays, aggregate with ``max``, not ``sum``).
 
 A source that cannot be read is reported by ``pipeline_state_up{source}`` = 0 and its
 gauges are left out of that scrape (never stale values that look healthy).
@@ -20,7 +23,6 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import psycopg
-import redis
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -31,13 +33,8 @@ from pipeline.errors import MigrationError, ServiceUnavailableError
 from pipeline.policy import redelivery_horizon
 from pipeline.transport.base import QueueDepth, Transport, delay_queue_name
 from pipeline.transport.factory import open_transport
-from pipeline.transport.redis.client import redis_client as client_for_url
 
 log = logging.getLogger("pipeline.state")
-
-
-def redis_client(settings: Settings, timeout: float = 5.0) -> redis.Redis:
-    return client_for_url(settings.require_redis_url(), timeout)
 
 
 class StateCollector(Collector):
@@ -124,7 +121,7 @@ class StateCollector(Collector):
             return self._transport.queue_depths(self.queues())
         except ServiceUnavailableError as exc:
             cause = exc.__cause__ or exc
-            log.warning("state metrics: Redis unreadable", extra={"error_class": _name(cause)})
+            log.warning("state metrics: broker unreadable", extra={"error_class": _name(cause)})
             return None
 
     def _close_database(self) -> None:
@@ -140,12 +137,13 @@ class StateCollector(Collector):
         queues = self._queues if filled else None
         up = GaugeMetricFamily(
             "pipeline_state_up",
-            "1 if the last state refresh could read the source (postgres, redis).",
+            "1 if the last state refresh could read the source (postgres; redis: the message "
+            "broker, Redis or RabbitMQ).",
             labels=["source"],
         )
         duration = GaugeMetricFamily(
             "pipeline_state_refresh_duration_seconds",
-            "Time the last state refresh took (one SQL statement, one Redis round trip).",
+            "Time the last state refresh took (one SQL statement, one broker round trip).",
         )
         backlog = GaugeMetricFamily(
             "pipeline_outbox_backlog",

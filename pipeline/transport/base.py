@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from dramatiq.common import dq_name
 
@@ -33,6 +33,30 @@ class QueueDepth:
     ready: int = 0
     delayed: int = 0
     dead: int = 0
+
+
+@dataclass
+class BrokerFinding:
+    """One check of the broker for ``pipeline doctor``: ``ok``, ``info`` (a fact to know) or
+    ``problem`` (with its fix)."""
+
+    check: str
+    status: Literal["ok", "info", "problem"]
+    summary: str
+    fix: str = ""
+
+
+@dataclass
+class BrokerDiagnosis:
+    """What :meth:`Transport.diagnose` found, and the measured round trip (None: unreachable)."""
+
+    findings: list[BrokerFinding] = field(default_factory=list)
+    round_trip: float | None = None
+
+    def add(
+        self, check: str, status: Literal["ok", "info", "problem"], summary: str, fix: str = ""
+    ) -> None:
+        self.findings.append(BrokerFinding(check, status, summary, fix))
 
 
 def delay_queue_name(queue_name: str) -> str:
@@ -132,6 +156,13 @@ class Transport(ABC):
 
         A transport failure raises :class:`~pipeline.errors.ServiceUnavailableError`.
         """
+
+    @classmethod
+    @abstractmethod
+    def diagnose(cls, settings: Settings, longest_hold_ms: int) -> BrokerDiagnosis:
+        """The broker's checks for ``pipeline doctor`` (reachability, then what silently
+        loses or stalls messages on it). ``longest_hold_ms``: the longest a worker may hold
+        one message before acknowledging it (the longest handler time limit, or delay)."""
 
     @classmethod
     @abstractmethod

@@ -361,3 +361,63 @@ def test_readiness_names_an_unreachable_broker_in_one_line():
     problem = transport_problem(settings)
     assert problem is not None and problem.startswith("cannot use RabbitMQ at amqp://guest:***@")
     assert "secret" not in problem and "\n" not in problem
+
+
+def test_relay_and_worker_processes_on_rabbitmq_pass_the_doctor(amqp_settings, tmp_path):
+    """`pipeline relay` and `pipeline worker` as processes on RabbitMQ carry the canary, and
+    `pipeline doctor` finds the deployment healthy, its queues quorum queues."""
+    from tests.integration.test_doctor import doctor_cli, problems
+    from tests.support import start_relay, start_worker, stop_process
+
+    app = "tests.apps.relay_app"
+    settings = amqp_settings.replace(canary_interval=1.0)
+    relay = start_relay(settings, app, tmp_path / "relay.log", "--mode", "inline")
+    worker = start_worker(settings, app, tmp_path / "worker.log", processes=1, threads=2)
+    engine = create_engine(settings.sqlalchemy_url())
+    arrived = (
+        "SELECT count(*) FROM pipeline.inbox WHERE consumer = 'pipeline_canary' "
+        "AND status = 'processed'"
+    )
+    try:
+        wait_until(lambda: bool(scalar(engine, arrived)), timeout=90, interval=0.3)
+        code, report, _ = doctor_cli(settings)
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+        engine.dispose()
+    assert problems(report) == {}, report
+    assert code == 0
+    statuses = {f["check"]: f["status"] for f in report["findings"]}
+    for check in ("rabbitmq", "rabbitmq_confirms", "rabbitmq_consumer_timeout", "lease"):
+        assert statuses[check] == "ok", (check, report)
+    if statuses["rabbitmq_queues"] != "info":  # info: no management API to list them
+        assert statuses["rabbitmq_queues"] == "ok"
+        assert statuses["rabbitmq_cluster"] == "ok"
+    assert "redis" not in statuses
+
+
+def test_doctor_names_classic_queues_and_a_short_consumer_timeout(amqp_settings):
+    from pipeline.tools.ops.doctor import run_doctor
+
+    management(amqp_settings)  # skips without the management API
+    transport = open_transport(amqp_settings, middleware=[])
+    try:
+        transport.broker.declare_queue("t.quorum", ensure=True)
+    finally:
+        transport.close()
+    classic = physical_name(amqp_settings.redis_namespace, "t.classic")
+    connection, channel = amqp_channel(amqp_settings)
+    try:
+        channel.queue_declare(queue=classic, durable=True)  # type: ignore[attr-defined]
+    finally:
+        connection.close()
+    settings = amqp_settings.replace(broker_consumer_timeout_ms=1000)
+    report = run_doctor(settings, [])
+    found = {f.check: f for f in report.findings}
+    assert found["rabbitmq_queues"].status == "problem"
+    assert classic in found["rabbitmq_queues"].summary
+    assert "t.quorum" not in found["rabbitmq_queues"].summary
+    assert found["rabbitmq_consumer_timeout"].status == "problem"
+    assert "60000 ms" in found["rabbitmq_consumer_timeout"].summary  # the longest retry delay
+    assert found["rabbitmq_cluster"].status == "ok"
+    assert not report.healthy

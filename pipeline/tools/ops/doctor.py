@@ -1,7 +1,7 @@
 """``pipeline doctor``: check a deployment for what silently loses, delays or stalls events.
 
-Each check gives a :class:`Finding`: ``ok``, ``info`` (a fact to know, e.g. how Redis
-persists) or ``problem`` (with its fix); any problem makes the command exit non-zero.
+Each check gives a :class:`Finding`: ``ok``, ``info`` (a fact to know, e.g. how the
+broker persists) or ``problem`` (with its fix); any problem makes the command exit non-zero.
 What is checked, and how:
 
 * **schema**: migrations applied and none newer than this code; ``functions.sql`` as
@@ -17,11 +17,15 @@ What is checked, and how:
 * **settings**: inbox retention at least every known consumer's retry horizon (the rule
   of :mod:`pipeline.policy`, which workers, relays and ``pipeline prune`` enforce), and the
   lease at least ten times a full batch's estimated publish time (measured round trips
-  to Postgres and Redis plus the measured cost of encoding a batch); a stalled server is
+  to Postgres and the broker plus the measured cost of encoding a batch); a stalled server is
   not covered: it is bounded by the clients' timeouts, and a lease that expires only
   publishes again, which the inbox absorbs.
-* **redis**: reachable; ``maxmemory-policy`` must be ``noeviction``; persistence
-  (``appendonly``, ``appendfsync``, ``save``) is stated with its consequence.
+* **the broker**, by the transport's own checks (:meth:`Transport.diagnose`). Redis:
+  reachable; ``maxmemory-policy`` must be ``noeviction``; persistence (``appendonly``,
+  ``appendfsync``, ``save``) is stated with its consequence. RabbitMQ
+  (:mod:`pipeline.transport.amqp.health`): reachable; confirms on; every queue a quorum
+  queue (each classic one named); ``consumer_timeout`` above the longest a worker holds a
+  message; a majority of the cluster's members running.
 * **clock**: this host's clock against the database's (queue messages carry the host's
   time, the delivery ledger the database's; it allows one second).
 * **dead letters** waiting, and the **canary**'s last arrival.
@@ -41,13 +45,12 @@ from importlib import resources
 from typing import Any, Literal
 
 import psycopg
-import redis
 from psycopg import sql
 from sqlalchemy import MetaData
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.schema import CreateIndex
 
-from pipeline.config import Settings, redact_url
+from pipeline.config import Settings
 from pipeline.db.connect import connect, describe_server, driver_reason
 from pipeline.db.migrate import (
     FUNCTIONS_VERSION,
@@ -58,14 +61,14 @@ from pipeline.db.stores.diagnostics import DiagnosticsStore
 from pipeline.db.tables import metadata
 from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.errors import ServiceUnavailableError
+from pipeline.inbox.actors import INFRASTRUCTURE_MAX_BACKOFF_MS
 from pipeline.policy import (
     ConsumerPolicy,
     consumer_with_longest_horizon,
-    redelivery_horizon,
     retention_problems,
 )
 from pipeline.registry import CANARY_CONSUMER
-from pipeline.relay.state import redis_client
+from pipeline.transport.factory import transport_class
 
 Status = Literal["ok", "info", "problem"]
 
@@ -131,9 +134,9 @@ def run_doctor(
         )
     else:
         _check_listen(settings, report)
-    redis_rtt = _check_redis(settings, report)
+    broker_rtt = _check_broker(settings, consumers, report)
     _check_retention(settings, consumers, report)
-    _check_lease(settings, len(consumers), pg_rtt, redis_rtt, report)
+    _check_lease(settings, len(consumers), pg_rtt, broker_rtt, report)
     return report
 
 
@@ -395,84 +398,44 @@ def _check_listen(settings: Settings, report: Report) -> None:
         report.add("listen", "ok", f"LISTEN/NOTIFY works at {where}")
 
 
-# -- redis -----------------------------------------------------------------------------------
-def _check_redis(settings: Settings, report: Report) -> float | None:
-    """Reachability, eviction policy, persistence; returns the measured round trip."""
-    if settings.redis_url is None:
-        report.add("redis", "problem", "PIPELINE_REDIS_URL is not set", "set PIPELINE_REDIS_URL")
-        return None
-    url = redact_url(settings.require_redis_url())
-    client = redis_client(settings)
-    try:
-        rtt = _round_trip(client.ping)
-        try:
-            config = _redis_config(client)
-        except redis.ResponseError:  # CONFIG disabled (managed Redis, renamed command)
-            report.add(
-                "redis",
-                "info",
-                f"Redis at {url} answers but does not allow CONFIG GET",
-                "check in your provider's settings that maxmemory-policy is noeviction",
-            )
-            return rtt
-    except redis.RedisError as exc:
+# -- broker ----------------------------------------------------------------------------------
+DRAMATIQ_TIME_LIMIT_MS = 600_000  # Dramatiq's TimeLimit for an actor that sets none
+
+
+def longest_hold_ms(settings: Settings, consumers: Sequence[ConsumerPolicy]) -> int:
+    """The longest a worker may hold one message unacknowledged: a handler's time limit
+    (Dramatiq's ten minutes where none is declared), a retry's delay, the publishing actor's
+    lease."""
+    holds = [
+        INFRASTRUCTURE_MAX_BACKOFF_MS,
+        int(settings.lease_seconds * 1000),
+        int(settings.consumer_backoff_max * 1000),
+    ]
+    for policy in consumers:
+        limit = policy.time_limit
+        holds.append(DRAMATIQ_TIME_LIMIT_MS if limit is None else int(limit * 1000))
+        holds.append(int(policy.max_backoff * 1000))
+    return max(holds)
+
+
+def _check_broker(
+    settings: Settings, consumers: Sequence[ConsumerPolicy], report: Report
+) -> float | None:
+    """The transport's own checks (Redis or RabbitMQ); returns the measured round trip."""
+    if settings.broker_url is None:
         report.add(
             "redis",
             "problem",
-            f"cannot reach Redis at {url}: {type(exc).__name__}",
-            "start Redis or fix PIPELINE_REDIS_URL",
+            "PIPELINE_BROKER_URL is not set (or its older name PIPELINE_REDIS_URL)",
+            "set PIPELINE_BROKER_URL",
         )
         return None
-    finally:
-        client.close()
-    report.add("redis", "ok", f"Redis at {url} answers ({rtt * 1000:.1f} ms)")
-    policy = config.get("maxmemory-policy", "")
-    if policy != "noeviction":
-        report.add(
-            "redis_eviction",
-            "problem",
-            f"maxmemory-policy is {policy!r}: Redis may evict queued messages when full",
-            "CONFIG SET maxmemory-policy noeviction (and in redis.conf); evicted deliveries "
-            "are sent again by the ledger sweep only after PIPELINE_REDELIVERY_HORIZON_SECONDS",
-        )
-    else:
-        report.add("redis_eviction", "ok", "maxmemory-policy is noeviction")
-    report.add("redis_persistence", "info", _persistence(config, settings), "")
-    return rtt
-
-
-def _redis_config(client: redis.Redis) -> dict[str, str]:
-    config: dict[str, str] = {}
-    for name in ("maxmemory-policy", "appendonly", "appendfsync", "save"):
-        for key, value in client.config_get(name).items():
-            config[_text(key)] = _text(value)
-    return config
-
-
-def _persistence(config: dict[str, str], settings: Settings) -> str:
-    horizon = redelivery_horizon(settings)
-    aof = config.get("appendonly") == "yes"
-    snapshots = config.get("save", "").strip()
-    if aof:
-        kept = (
-            f"appendonly yes, appendfsync {config.get('appendfsync', '?')}: a crash loses "
-            "at most the last second of queued messages (everysec; none with always)"
-        )
-    elif snapshots:
-        kept = (
-            f"RDB snapshots only (save {snapshots!r}): a crash loses what was queued since "
-            "the last snapshot"
-        )
-    else:
-        kept = "no persistence: a restart loses every queued message"
-    return (
-        f"{kept}. Lost deliveries are not lost events: the delivery ledger sends them again "
-        f"after the redelivery horizon ({horizon:.0f}s), so a Redis that forgets only delays them"
+    diagnosis = transport_class(settings.require_broker_url()).diagnose(
+        settings, longest_hold_ms(settings, consumers)
     )
-
-
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
+    for finding in diagnosis.findings:
+        report.add(finding.check, finding.status, finding.summary, finding.fix)
+    return diagnosis.round_trip
 
 
 # -- settings --------------------------------------------------------------------------------
@@ -508,12 +471,12 @@ def _check_lease(
     settings: Settings,
     consumers: int,
     pg_rtt: float | None,
-    redis_rtt: float | None,
+    broker_rtt: float | None,
     report: Report,
 ) -> None:
-    if pg_rtt is None or redis_rtt is None:
+    if pg_rtt is None or broker_rtt is None:
         return  # the unreachable server is already a problem
-    estimate = 2 * pg_rtt + redis_rtt + settings.batch_size * max(consumers, 1) * _encode_cost()
+    estimate = 2 * pg_rtt + broker_rtt + settings.batch_size * max(consumers, 1) * _encode_cost()
     needed = LEASE_SAFETY * estimate
     if settings.lease_seconds < needed:
         report.add(

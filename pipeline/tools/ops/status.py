@@ -3,7 +3,7 @@
 Healthy means: no dead letters (publish or consume stage, not yet replayed), nothing
 in Dramatiq's dead-letter sets, the oldest unsent event younger than the threshold, and
 no delivery owed to a consumer past the redelivery horizon (an event sent, but with no
-outcome for one of its consumers: Redis lost it, or no worker runs that consumer).
+outcome for one of its consumers: the broker lost it, or no worker runs that consumer).
 Relays are listed, not judged: an idle relay refreshes its heartbeat only
 when its busy flag changes, so heartbeat age is informational.
 """
@@ -61,7 +61,7 @@ def read_status(
     interval: float = 300.0,
     consumers: list[str] | None = None,
 ) -> Status:
-    """Read Postgres (and Redis, when configured) once; raises PipelineError subclasses.
+    """Read Postgres (and the broker, when configured) once; raises PipelineError subclasses.
 
     Per-consumer activity covers the last ``interval`` seconds (``consumers`` are listed
     even when idle).
@@ -72,7 +72,7 @@ def read_status(
         relays = RelayStore(settings.schema_name).relays(conn)
         activity = read_activity(conn, settings.schema_name, interval, consumers or ())
     depths: dict[str, QueueDepth] | None = None
-    if settings.redis_url is not None:
+    if settings.broker_url is not None:
         transport = open_transport(settings, middleware=[], timeout=5.0)
         try:
             known = set(queues) | transport.queues_holding_messages()
@@ -158,7 +158,7 @@ def format_status(status: Status) -> str:
     else:
         lines.append("relays: none running")
     if status.queues is None:
-        lines.append("queues: PIPELINE_REDIS_URL not set")
+        lines.append("queues: PIPELINE_BROKER_URL not set")
     elif status.queues:
         lines.append("queues (messages ready / delayed / dead):")
         for name, depth in sorted(status.queues.items()):

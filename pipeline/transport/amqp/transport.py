@@ -21,7 +21,13 @@ from pipeline.transport.amqp.broker import (
 )
 from pipeline.transport.amqp.management import Management
 from pipeline.transport.amqp.publisher import AmqpPublisher, unavailable
-from pipeline.transport.base import QueueDepth, Slots, Transport, UndecodableSink
+from pipeline.transport.base import (
+    BrokerDiagnosis,
+    QueueDepth,
+    Slots,
+    Transport,
+    UndecodableSink,
+)
 from pipeline.transport.publisher import Publisher
 
 log = logging.getLogger("pipeline.transport.amqp")
@@ -144,6 +150,12 @@ class AmqpTransport(Transport):
             if name:
                 found.add(name)
         return found
+
+    @classmethod
+    def diagnose(cls, settings: Settings, longest_hold_ms: int) -> BrokerDiagnosis:
+        from pipeline.transport.amqp.health import diagnose
+
+        return diagnose(settings, longest_hold_ms)
 
     @classmethod
     def problem(cls, settings: Settings) -> str | None:

@@ -12,7 +12,13 @@ from pipeline.config import Settings, redact_secrets, redact_url
 from pipeline.driver_errors import translate
 from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
 from pipeline.signing import EnvelopeSigner
-from pipeline.transport.base import QueueDepth, Slots, Transport, UndecodableSink
+from pipeline.transport.base import (
+    BrokerDiagnosis,
+    QueueDepth,
+    Slots,
+    Transport,
+    UndecodableSink,
+)
 from pipeline.transport.publisher import Publisher
 from pipeline.transport.redis.broker import PipelineRedisBroker, make_broker
 from pipeline.transport.redis.client import redis_client
@@ -137,6 +143,12 @@ class RedisTransport(Transport):
         except redis.RedisError as exc:
             error = translate(exc, self.settings)
             raise (error or ServiceUnavailableError(str(exc))) from exc
+
+    @classmethod
+    def diagnose(cls, settings: Settings, longest_hold_ms: int) -> BrokerDiagnosis:
+        from pipeline.transport.redis.health import diagnose
+
+        return diagnose(settings)
 
     @classmethod
     def problem(cls, settings: Settings) -> str | None:

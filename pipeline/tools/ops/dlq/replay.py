@@ -267,7 +267,7 @@ class Replayer:
         letter, subscription = step.letter, step.subscription
         assert subscription is not None and letter.consumer is not None  # planned "deliver"
         if self.publisher is None:
-            raise ConfigurationError("a consume-stage replay needs PIPELINE_REDIS_URL")
+            raise ConfigurationError("a consume-stage replay needs PIPELINE_BROKER_URL")
         events = load_events(self.conn, self.schema, letter)
         if not events:
             return StepResult(step, "skipped", "its events are gone from the outbox")
