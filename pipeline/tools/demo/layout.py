@@ -73,7 +73,8 @@ def plan_layout(
         redis_url = redis_server.url
         setup["redis"] = f"embedded, throwaway ({redis_url})"
     else:
-        setup["redis"] = f"PIPELINE_REDIS_URL {redact_url(redis_url)}"
+        variable = "PIPELINE_BROKER_URL" if base.broker_is_amqp else "PIPELINE_REDIS_URL"
+        setup["redis"] = f"{variable} {redact_url(redis_url)}"
     if database_url is None:
         postgres = EmbeddedPostgres(durable=False, stop_timeout=SERVER_STOP_SECONDS)
         cleanup.push(
@@ -108,7 +109,9 @@ def plan_layout(
         message_key=base.message_key or secrets.token_urlsafe(32),
     )
     setup["schemas"] = f"{schema} (pipeline), {app_schema} (orders, payments, stock, ...)"
-    setup["redis keys"] = f"{namespace}:*"
+    setup["redis keys"] = (
+        f"{namespace}.* (RabbitMQ quorum queues)" if settings.broker_is_amqp else f"{namespace}:*"
+    )
     return Layout(settings, app_schema, own_schemas, own_namespace, setup)
 
 

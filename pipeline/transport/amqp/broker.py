@@ -305,12 +305,25 @@ def make_broker(
         prefetch_max=settings.broker_prefetch_max,
         outage_backoff_max=settings.reconnect_backoff_max,
         middleware=stack,
-        parameters=[parameters],
+        parameters=parameters,
     )
 
 
-def connection_parameters(url: str, timeout: float | None) -> dict[str, Any]:
-    """pika connection parameters (as keywords) for ``url``, with ``timeout`` if given."""
+def connection_parameters(url: str, timeout: float | None) -> list[dict[str, Any]]:
+    """pika connection parameters (as keywords) for each of the ``;``-separated URLs of
+    ``url`` (a cluster's nodes: clients connect to the first that answers), with
+    ``timeout`` if given."""
+    return [_node_parameters(part.strip(), timeout) for part in url.split(";") if part.strip()]
+
+
+def connect(url: str, timeout: float | None) -> pika.BlockingConnection:
+    """A blocking connection to the first node of ``url`` that answers."""
+    return pika.BlockingConnection(
+        [pika.ConnectionParameters(**values) for values in connection_parameters(url, timeout)]
+    )
+
+
+def _node_parameters(url: str, timeout: float | None) -> dict[str, Any]:
     params = pika.URLParameters(url)
     values: dict[str, Any] = {
         "host": params.host,

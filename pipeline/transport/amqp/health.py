@@ -23,7 +23,7 @@ import pika.exceptions
 
 from pipeline.config import Settings, redact_url
 from pipeline.errors import ServiceUnavailableError
-from pipeline.transport.amqp.broker import connection_parameters
+from pipeline.transport.amqp.broker import connect
 from pipeline.transport.amqp.management import Management
 from pipeline.transport.base import BrokerDiagnosis
 
@@ -34,9 +34,7 @@ def diagnose(settings: Settings, longest_hold_ms: int) -> BrokerDiagnosis:
     shown = redact_url(url)
     try:
         start = time.perf_counter()
-        connection = pika.BlockingConnection(
-            pika.ConnectionParameters(**connection_parameters(url, 5.0))
-        )
+        connection = connect(url, 5.0)
         try:
             channel_start = time.perf_counter()
             connection.channel().close()

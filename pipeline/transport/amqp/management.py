@@ -26,7 +26,7 @@ def management_url(broker_url: str, explicit: str | None = None) -> str:
     (15671 for ``amqps``) with the broker URL's credentials."""
     if explicit:
         return explicit.rstrip("/")
-    parts = urlsplit(broker_url)
+    parts = urlsplit(broker_url.split(";", maxsplit=1)[0])
     scheme = "https" if parts.scheme == "amqps" else "http"
     user = parts.username or "guest"
     password = parts.password or "guest"
@@ -40,7 +40,7 @@ def management_url(broker_url: str, explicit: str | None = None) -> str:
 
 def virtual_host(broker_url: str) -> str:
     """The virtual host the broker URL names (``/`` when it names none)."""
-    path = urlsplit(broker_url).path
+    path = urlsplit(broker_url.split(";", maxsplit=1)[0]).path
     return unquote(path[1:]) if len(path) > 1 else "/"
 
 

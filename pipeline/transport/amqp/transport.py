@@ -15,7 +15,7 @@ from pipeline.config import Settings, redact_secrets, redact_url
 from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
 from pipeline.transport.amqp.broker import (
     PipelineRabbitmqBroker,
-    connection_parameters,
+    connect,
     make_broker,
     physical_name,
 )
@@ -161,9 +161,7 @@ class AmqpTransport(Transport):
     def problem(cls, settings: Settings) -> str | None:
         url = settings.require_broker_url()
         try:
-            connection = pika.BlockingConnection(
-                pika.ConnectionParameters(**connection_parameters(url, 5.0))
-            )
+            connection = connect(url, 5.0)
         except FAILURES as exc:
             reason = redact_secrets(f"{type(exc).__name__}: {exc}", url)
             return f"cannot use RabbitMQ at {redact_url(url)}: {reason}"

@@ -1,0 +1,259 @@
+"""A throwaway RabbitMQ cluster on 127.0.0.1: N nodes of Debian's ``rabbitmq-server``.
+
+Each node has its own name (``pl<run>-<i>@localhost``), AMQP, distribution and
+management ports (free ports picked at start), data directory and configuration; all
+share one Erlang cookie (a ``HOME`` of the cluster's own), so they can cluster and
+``rabbitmqctl`` can reach them. Nodes 2..N join node 1. A node can be killed
+(``SIGKILL`` of its process group), stopped and started again with its data, which is
+what the fault tests do. The machine's own RabbitMQ (``rabbit@localhost`` on 5672) is
+never touched: only the shared ``epmd`` name server is used.
+
+The server scripts are run directly (``/usr/lib/rabbitmq/bin``), not through Debian's
+``/usr/sbin`` wrappers, which switch to the ``rabbitmq`` account and its fixed paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline.errors import BinaryNotFoundError, ServerStartError
+from pipeline.tools.harness.server import HOST, free_port
+
+SCRIPT_DIRS = (Path("/usr/lib/rabbitmq/bin"), Path("/usr/local/lib/rabbitmq/bin"))
+START_TIMEOUT = 180.0
+
+
+def find_rabbitmq_bin() -> Path:
+    """The directory holding ``rabbitmq-server`` and ``rabbitmqctl`` (not Debian's wrappers)."""
+    for directory in SCRIPT_DIRS:
+        if (directory / "rabbitmq-server").exists() and (directory / "rabbitmqctl").exists():
+            return directory
+    raise BinaryNotFoundError(
+        "rabbitmq-server not found in "
+        + ", ".join(str(d) for d in SCRIPT_DIRS)
+        + " (apt-get install rabbitmq-server)"
+    )
+
+
+@dataclass
+class RabbitNode:
+    index: int
+    name: str
+    directory: Path
+    amqp_port: int = 0
+    dist_port: int = 0
+    management_port: int = 0
+    process: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"amqp://guest:guest@{HOST}:{self.amqp_port}/%2F"
+
+    @property
+    def management_url(self) -> str:
+        return f"http://guest:guest@{HOST}:{self.management_port}"
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+
+class RabbitCluster:
+    """``size`` RabbitMQ nodes clustered on this machine; ``with`` or :meth:`cleanup` ends them."""
+
+    def __init__(self, size: int = 3, base_dir: Path | None = None) -> None:
+        self.size = size
+        self.run = uuid.uuid4().hex[:6]
+        self._owns_dir = base_dir is None
+        self.directory = (
+            Path(base_dir)
+            if base_dir is not None
+            else Path(tempfile.gettempdir()) / f"pipeline-rabbitmq-{self.run}"
+        )
+        self.nodes = [
+            RabbitNode(i, f"pl{self.run}-{i}@localhost", self.directory / f"node{i}")
+            for i in range(1, size + 1)
+        ]
+        self._bin: Path | None = None
+
+    # -- URLs -------------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        """Every node's AMQP URL joined with ``;`` (clients fail over in this order)."""
+        return ";".join(node.url for node in self.nodes)
+
+    def url_from(self, index: int) -> str:
+        """The node URLs starting at node ``index`` (1-based), so that clients spread."""
+        order = self.nodes[index - 1 :] + self.nodes[: index - 1]
+        return ";".join(node.url for node in order)
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def __enter__(self) -> RabbitCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+    def start(self, timeout: float = START_TIMEOUT) -> None:
+        self._bin = find_rabbitmq_bin()
+        self.directory.mkdir(parents=True, exist_ok=True)
+        cookie = self.directory / ".erlang.cookie"
+        if not cookie.exists():
+            cookie.write_text(f"PIPELINE{uuid.uuid4().hex.upper()}")
+            cookie.chmod(0o400)
+        for node in self.nodes:
+            node.amqp_port, node.dist_port, node.management_port = (
+                free_port(),
+                free_port(),
+                free_port(),
+            )
+            self._write_config(node)
+            self._spawn(node)
+        deadline = time.monotonic() + timeout
+        for node in self.nodes:
+            self.await_node(node, deadline)
+        first = self.nodes[0]
+        for node in self.nodes[1:]:
+            self.ctl(node, "stop_app")
+            self.ctl(node, "join_cluster", first.name)
+            self.ctl(node, "start_app")
+            self.await_node(node, deadline)
+
+    def _write_config(self, node: RabbitNode) -> None:
+        node.directory.mkdir(parents=True, exist_ok=True)
+        (node.directory / "rabbitmq.conf").write_text(
+            f"listeners.tcp.1 = {HOST}:{node.amqp_port}\n"
+            "loopback_users = none\n"
+            f"management.tcp.port = {node.management_port}\n"
+            f"management.tcp.ip = {HOST}\n"
+            # Stats every second, so that listings (queue depths, members) are fresh.
+            "collect_statistics_interval = 1000\n"
+        )
+        (node.directory / "enabled_plugins").write_text("[rabbitmq_management].\n")
+        (node.directory / "rabbitmq-env.conf").write_text("")
+
+    def _env(self, node: RabbitNode) -> dict[str, str]:
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if not key.startswith(("RABBITMQ_", "ERL_"))
+        }
+        directory = node.directory
+        env.update(
+            HOME=str(self.directory),  # the shared .erlang.cookie
+            RABBITMQ_CONF_ENV_FILE=str(directory / "rabbitmq-env.conf"),
+            RABBITMQ_NODENAME=node.name,
+            RABBITMQ_NODE_IP_ADDRESS=HOST,
+            RABBITMQ_NODE_PORT=str(node.amqp_port),
+            RABBITMQ_DIST_PORT=str(node.dist_port),
+            RABBITMQ_MNESIA_BASE=str(directory / "mnesia"),
+            RABBITMQ_LOG_BASE=str(directory / "log"),
+            RABBITMQ_LOGS="-",
+            RABBITMQ_CONFIG_FILE=str(directory / "rabbitmq.conf"),
+            RABBITMQ_ENABLED_PLUGINS_FILE=str(directory / "enabled_plugins"),
+            RABBITMQ_PID_FILE=str(directory / "pid"),
+            ERL_EPMD_ADDRESS=HOST,
+            RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS="-kernel inet_dist_use_interface {127,0,0,1}",
+        )
+        return env
+
+    def _spawn(self, node: RabbitNode) -> None:
+        assert self._bin is not None
+        log = (node.directory / "node.log").open("ab")
+        node.process = subprocess.Popen(
+            [str(self._bin / "rabbitmq-server")],
+            env=self._env(node),
+            cwd=node.directory,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+
+    def ctl(self, node: RabbitNode, *args: str, timeout: float = 120.0) -> str:
+        """``rabbitmqctl -n <node> args...``; raises :class:`ServerStartError` on failure."""
+        assert self._bin is not None
+        result = subprocess.run(
+            [str(self._bin / "rabbitmqctl"), "-n", node.name, *args],
+            env=self._env(node),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+        if result.returncode != 0:
+            raise ServerStartError(
+                f"rabbitmqctl {' '.join(args)} on {node.name} failed: "
+                f"{(result.stderr or result.stdout).strip().splitlines()[-1:]}"
+            )
+        return result.stdout
+
+    def await_node(self, node: RabbitNode, deadline: float) -> None:
+        """Wait until the node's RabbitMQ application runs (or raise with its log's tail)."""
+        while True:
+            if not node.running:
+                raise ServerStartError(f"RabbitMQ node {node.name} exited: {self.log_tail(node)}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ServerStartError(
+                    f"RabbitMQ node {node.name} not up in time: {self.log_tail(node)}"
+                )
+            try:
+                self.ctl(node, "await_startup", "--timeout", str(int(min(remaining, 30)) or 1))
+                return
+            except (ServerStartError, subprocess.TimeoutExpired):
+                time.sleep(1)
+
+    def log_tail(self, node: RabbitNode, lines: int = 5) -> str:
+        path = node.directory / "node.log"
+        if not path.exists():
+            return "(no log)"
+        return " | ".join(path.read_text(errors="replace").strip().splitlines()[-lines:])
+
+    # -- faults -----------------------------------------------------------------------------
+    def kill(self, index: int) -> None:
+        """SIGKILL node ``index`` (1-based) and everything in its process group."""
+        node = self.nodes[index - 1]
+        if node.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(node.process.pid, signal.SIGKILL)
+        node.process.wait(timeout=30)
+
+    def stop(self, index: int, timeout: float = 60.0) -> None:
+        """Stop node ``index`` cleanly (``rabbitmqctl stop``), killing it if that fails."""
+        node = self.nodes[index - 1]
+        if not node.running:
+            return
+        try:
+            self.ctl(node, "stop", timeout=timeout)
+            assert node.process is not None
+            node.process.wait(timeout=timeout)
+        except (ServerStartError, subprocess.TimeoutExpired):
+            self.kill(index)
+
+    def restart(self, index: int, timeout: float = START_TIMEOUT) -> None:
+        """Start node ``index`` again on its data (it rejoins the cluster by itself)."""
+        node = self.nodes[index - 1]
+        if node.running:
+            return
+        self._spawn(node)
+        self.await_node(node, time.monotonic() + timeout)
+
+    def cleanup(self) -> None:
+        """Kill every node and delete the cluster's directory (if this object made it)."""
+        for node in self.nodes:
+            if node.running:
+                self.kill(node.index)
+        if self._owns_dir:
+            shutil.rmtree(self.directory, ignore_errors=True)
