@@ -116,3 +116,64 @@ def test_killing_the_leader_node_while_producing_and_consuming_loses_nothing(
     assert unsent == 0 and dead == 0
     new_leader = leader_of(cluster, settings, "pipeline.ledger")
     assert new_leader != victim
+
+
+def test_without_a_majority_nothing_is_marked_sent_until_one_returns(
+    cluster: RabbitCluster, database_url: str
+):
+    """Two nodes of three down: the queues have no quorum, publishes go unconfirmed, the
+    relay marks nothing sent; one node back and the same events go out."""
+    import psycopg
+
+    from pipeline.errors import PublisherUnavailable
+    from pipeline.registry import Registry
+    from pipeline.relay.drain import Drainer
+    from pipeline.runtime import build_runtime
+
+    settings = Settings(
+        database_url=database_url,  # type: ignore[arg-type]
+        broker_url=cluster.url_from(3),  # type: ignore[arg-type]
+        redis_namespace=f"c{uuid.uuid4().hex[:8]}",
+        canary_interval=0,
+        broker_confirm_timeout=5.0,
+    )
+    routes = Registry()
+    routes.subscribe("audit", ["*"])
+    runtime = build_runtime(settings, routes, set_global_broker=False)
+    engine = create_engine(settings.sqlalchemy_url(), pool_size=2)
+    conn = psycopg.connect(settings.require_database_url(), autocommit=True)
+    drainer = Drainer(settings, runtime.publisher, routes, "t", conn)
+
+    def sent() -> int:
+        with engine.connect() as c:
+            return int(
+                c.execute(
+                    text("SELECT count(*) FROM pipeline.outbox WHERE status = 'sent'")
+                ).scalar_one()
+            )
+
+    try:
+        produce(engine, [NewEvent("order.placed", {"n": i}) for i in range(5)])
+        assert drainer.run_batch().claimed == 5  # declares the quorum queue on 3 members
+        assert sent() == 5
+        cluster.stop(1)
+        cluster.stop(2)
+        produce(engine, [NewEvent("order.placed", {"n": i}) for i in range(5, 10)])
+        for _ in range(2):
+            with pytest.raises(PublisherUnavailable):
+                drainer.run_batch()
+            assert sent() == 5
+        cluster.restart(2)
+
+        def drained() -> bool:
+            try:
+                drainer.run_batch()
+            except PublisherUnavailable:
+                return False
+            return sent() == 10
+
+        wait_until(drained, timeout=180)
+    finally:
+        conn.close()
+        runtime.close()
+        engine.dispose()
