@@ -88,6 +88,8 @@ def log_size(*paths: Path) -> int:
 
 def queue_messages(settings: Settings, queue: str) -> list[dict[str, Any]]:
     """The Dramatiq messages waiting on ``queue``, in queue order, decoded."""
+    if settings.broker_is_amqp:
+        return amqp_queue_messages(settings, queue)
     client = redis.Redis.from_url(settings.require_redis_url())
     try:
         ids = client.lrange(queue_key(settings.redis_namespace, queue), 0, -1)
@@ -97,6 +99,27 @@ def queue_messages(settings: Settings, queue: str) -> list[dict[str, Any]]:
         return [json.loads(body) for body in bodies if body is not None]
     finally:
         client.close()
+
+
+def amqp_queue_messages(settings: Settings, queue: str) -> list[dict[str, Any]]:
+    """RabbitMQ's messages on ``queue``, taken without acknowledging them: closing the
+    connection gives them back to the queue."""
+    import pika
+
+    from pipeline.transport.amqp.broker import physical_name
+
+    connection = pika.BlockingConnection(pika.URLParameters(settings.require_broker_url()))
+    try:
+        channel = connection.channel()
+        name = physical_name(settings.redis_namespace, queue)
+        found = []
+        while True:
+            method, _properties, body = channel.basic_get(name, auto_ack=False)
+            if method is None:
+                return found
+            found.append(json.loads(body))
+    finally:
+        connection.close()
 
 
 def queue_envelopes(settings: Settings, queue: str) -> list[dict[str, Any]]:

@@ -39,6 +39,21 @@ def runtime(relay_settings: Settings, consumers: Registry) -> Iterator[Runtime]:
     value.close()
 
 
+@pytest.fixture(params=["redis", "amqp"])
+def any_runtime(request: pytest.FixtureRequest, consumers: Registry) -> Iterator[Runtime]:
+    """The runtime of :func:`runtime`, once on Redis and once on RabbitMQ (skipped where no
+    RabbitMQ answers); the same database as the ``engine`` fixture."""
+    base: Settings = request.getfixturevalue("settings")
+    if request.param == "amqp":
+        base = request.getfixturevalue("amqp_settings")
+    fast = base.replace(poll_interval_min=0.05, poll_interval_max=0.5, lease_seconds=2.0)
+    configure(fast)
+    value = build_runtime(fast, consumers)
+    yield value
+    value.close()
+    configure(base)
+
+
 def drainer_for(runtime: Runtime, publisher: Publisher | None = None, seed: int = 7) -> Drainer:
     """A Drainer on its own autocommit connection (the test closes nothing: the DB is dropped)."""
     conn = psycopg.connect(runtime.settings.require_database_url(), autocommit=True)

@@ -31,7 +31,15 @@ from pipeline.transport.base import delay_queue_name
 from pipeline.transport.factory import open_transport
 from tests.integration.conftest import drainer_for
 from tests.integration.test_inbox import TABLES
-from tests.support import app_registry, produce, running_pipeline, running_worker, wait_until
+from tests.support import (
+    app_registry,
+    pipeline_env,
+    produce,
+    run_cli,
+    running_pipeline,
+    running_worker,
+    wait_until,
+)
 
 APP = "tests.apps.inbox_app"
 
@@ -109,6 +117,10 @@ def test_events_flow_end_to_end_through_quorum_queues(amqp_engine, fast_settings
         unsent = conn.execute(text("SELECT count(*) FROM pipeline.outbox WHERE status <> 'sent'"))
         assert unsent.scalar() == 0
     assert done == Counter({o: 1 for o in orders})
+    status = run_cli(["status"], pipeline_env(fast_settings, APP))
+    assert status.returncode == 0, status.stderr
+    assert "queues (messages ready / delayed / dead):" in status.stdout
+    assert "  pipeline.ledger: 0 / 0 / 0" in status.stdout, status.stdout
     for queue in ("pipeline.ledger", "pipeline.publish"):
         assert_quorum(fast_settings, queue)
         assert_quorum(fast_settings, delay_queue_name(queue))

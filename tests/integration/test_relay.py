@@ -34,15 +34,15 @@ def counter(metric, *labels: str) -> float:
     return metric.labels(*labels)._value.get() if labels else metric._value.get()
 
 
-def test_batch_is_delivered_to_every_subscriber_and_marked_sent(engine, runtime):
+def test_batch_is_delivered_to_every_subscriber_and_marked_sent(engine, any_runtime):
     ids = produce(engine, [NewEvent("order.placed", {"n": i}, aggregate_id="o1") for i in range(3)])
     produce(engine, [NewEvent("user.signed_up", {"u": 1})])
     unrouted_before = counter(metrics.events_unrouted, "user.signed_up")
-    runtime.registry.remove("audit")
-    result = drainer_for(runtime).run_batch()
+    any_runtime.registry.remove("audit")
+    result = drainer_for(any_runtime).run_batch()
     assert (result.claimed, result.sent, result.unrouted) == (4, 4, 1)
     assert counter(metrics.events_unrouted, "user.signed_up") == unrouted_before + 1
-    messages = queue_messages(runtime.settings, "pipeline.billing")
+    messages = queue_messages(any_runtime.settings, "pipeline.billing")
     assert len(messages) == 1  # one key's run travels as one message
     envelopes = messages[0]["args"][0]
     assert [e["id"] for e in envelopes] == [str(i) for i in ids]
@@ -54,8 +54,8 @@ def test_batch_is_delivered_to_every_subscriber_and_marked_sent(engine, runtime)
     assert statuses(engine) == {"sent": 4}
 
 
-def test_a_key_is_published_in_commit_order_even_with_concurrent_producers(engine, runtime):
-    drainer = drainer_for(runtime)
+def test_a_key_is_published_in_commit_order_even_with_concurrent_producers(engine, any_runtime):
+    drainer = drainer_for(any_runtime)
     early = Session(engine)
     early.begin()
     early_id = add_event(early, "order.placed", {"step": 1}, aggregate_id="k")
@@ -81,7 +81,7 @@ def test_a_key_is_published_in_commit_order_even_with_concurrent_producers(engin
     drainer.conn.execute("UPDATE pipeline.outbox SET status='pending' WHERE status='publishing'")
     while drainer.run_batch().claimed:
         pass
-    seen = [e["id"] for e in queue_envelopes(runtime.settings, "pipeline.billing")]
+    seen = [e["id"] for e in queue_envelopes(any_runtime.settings, "pipeline.billing")]
     assert seen.index(str(early_id)) < seen.index(str(later_ids[0]))
 
 
@@ -327,15 +327,15 @@ def test_publisher_unavailable_releases_the_batch_without_counting_attempts(engi
     assert tuple(row) == ("pending", 0, None)
 
 
-def test_many_threads_claiming_never_double_deliver_and_keep_key_order(engine, runtime):
+def test_many_threads_claiming_never_double_deliver_and_keep_key_order(engine, any_runtime):
     produce(
         engine,
         [NewEvent("order.placed", {"i": i}, aggregate_id=str(i % 40)) for i in range(4000)],
         per_transaction=200,
     )
-    drainers = [drainer_for(runtime) for _ in range(4)]
+    drainers = [drainer_for(any_runtime) for _ in range(4)]
     for d in drainers:
-        d.settings = runtime.settings.replace(batch_size=97)
+        d.settings = any_runtime.settings.replace(batch_size=97)
 
     def work(d: Drainer) -> None:
         while d.run_batch().claimed or statuses(engine).get("pending"):
@@ -346,7 +346,7 @@ def test_many_threads_claiming_never_double_deliver_and_keep_key_order(engine, r
         t.start()
     for t in threads:
         t.join(120)
-    envelopes = queue_envelopes(runtime.settings, "pipeline.billing")
+    envelopes = queue_envelopes(any_runtime.settings, "pipeline.billing")
     ids = [e["id"] for e in envelopes]
     assert len(ids) == len(set(ids)) == 4000
     last: dict[str, int] = {}

@@ -18,6 +18,7 @@ broker had kept of it).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import uuid
 from collections.abc import Sequence
@@ -57,8 +58,46 @@ def message_json(
     )
 
 
+class _Link:
+    """One thread's connection and confirm-mode channel, with its confirms' bookkeeping."""
+
+    def __init__(self, connection: pika.BlockingConnection, channel: Any) -> None:
+        self.connection = connection
+        self.channel = channel
+        self.next_tag = 1
+        self.first_unconfirmed = 1
+        self.confirmed: dict[int, bool] = {}  # delivery tag -> acked (False: nacked)
+        self.returned = 0
+
+    def on_confirm(self, frame: Any) -> None:
+        method = frame.method
+        acked = isinstance(method, Basic.Ack)
+        tag = method.delivery_tag
+        if method.multiple:
+            for pending in range(self.first_unconfirmed, tag + 1):
+                self.confirmed.setdefault(pending, acked)
+        else:
+            self.confirmed[tag] = acked
+
+    def on_return(self, *_args: Any) -> None:
+        self.returned += 1
+
+    @property
+    def is_open(self) -> bool:
+        return bool(self.channel.is_open)
+
+    def close(self) -> None:
+        if self.connection.is_open:
+            with contextlib.suppress(Exception):  # already failing; the next batch reconnects
+                self.connection.close()
+
+
 class AmqpPublisher:
-    """Publishes each delivery as one persistent Dramatiq message; one confirm round a batch."""
+    """Publishes each delivery as one persistent Dramatiq message; one confirm round a batch.
+
+    Thread-safe: every thread publishes on a connection of its own (pika's connections
+    are not shared between threads), as the publishing actors of a worker do.
+    """
 
     def __init__(
         self,
@@ -71,56 +110,44 @@ class AmqpPublisher:
         self.source = source
         self.confirm_timeout = confirm_timeout
         self.max_message_bytes = max_message_bytes
-        self._connection: pika.BlockingConnection | None = None
-        self._channel: Any = None
-        self._next_tag = 1
-        self._confirmed: dict[int, bool] = {}  # delivery tag -> acked (False: nacked)
-        self._returned = 0
+        self._local = threading.local()
+        self._links: set[_Link] = set()
+        self._lock = threading.Lock()
 
     # -- connection ------------------------------------------------------------------------
-    def _open(self) -> Any:
-        if self._channel is not None and self._channel.is_open:
-            return self._channel
+    def _open(self) -> _Link:
+        link: _Link | None = getattr(self._local, "link", None)
+        if link is not None and link.is_open:
+            return link
         self._drop()
         connection = pika.BlockingConnection(self.broker.parameters)
         channel = connection.channel()
+        link = _Link(connection, channel)
         impl = channel._impl  # the asynchronous channel under pika's blocking one
         selected: list[bool] = []
         impl.confirm_delivery(
-            ack_nack_callback=self._on_confirm, callback=lambda _frame: selected.append(True)
+            ack_nack_callback=link.on_confirm, callback=lambda _frame: selected.append(True)
         )
         deadline = time.monotonic() + self.confirm_timeout
         while not selected:
             if time.monotonic() > deadline:
-                connection.close()
+                link.close()
                 raise unavailable("no reply to confirm.select")
             connection.process_data_events(time_limit=0.05)
-        channel.add_on_return_callback(self._on_return)
-        self._connection, self._channel = connection, channel
-        self._next_tag = 1
-        self._confirmed.clear()
-        return channel
+        channel.add_on_return_callback(link.on_return)
+        self._local.link = link
+        with self._lock:
+            self._links.add(link)
+        return link
 
     def _drop(self) -> None:
-        connection, self._connection, self._channel = self._connection, None, None
-        if connection is not None and connection.is_open:
-            with contextlib.suppress(Exception):  # already failing; the next batch reconnects
-                connection.close()
-
-    def _on_confirm(self, frame: Any) -> None:
-        method = frame.method
-        acked = isinstance(method, Basic.Ack)
-        tag = method.delivery_tag
-        if method.multiple:
-            for pending in range(self._first_unconfirmed, tag + 1):
-                self._confirmed.setdefault(pending, acked)
-        else:
-            self._confirmed[tag] = acked
-
-    _first_unconfirmed = 1
-
-    def _on_return(self, *_args: Any) -> None:
-        self._returned += 1
+        """Close this thread's connection (the next batch opens another)."""
+        link: _Link | None = getattr(self._local, "link", None)
+        self._local.link = None
+        if link is not None:
+            with self._lock:
+                self._links.discard(link)
+            link.close()
 
     # -- Publisher port --------------------------------------------------------------------
     def encode(self, delivery: Delivery, cache: dict[uuid.UUID, str]) -> bytes:
@@ -169,13 +196,11 @@ class AmqpPublisher:
     def _publish(self, bodies: list[tuple[str, bytes]]) -> None:
         for queue in sorted({queue for queue, _ in bodies}):
             self.broker.declare_queue(queue, ensure=True)  # quorum, once per process
-        channel = self._open()
-        impl = channel._impl
-        connection = self._connection
-        assert connection is not None
-        first = self._next_tag
-        self._first_unconfirmed = first
-        self._returned = 0
+        link = self._open()
+        impl = link.channel._impl
+        first = link.next_tag
+        link.first_unconfirmed = first
+        link.returned = 0
         properties = pika.BasicProperties(delivery_mode=PERSISTENT)
         for queue, body in bodies:
             impl.basic_publish(
@@ -185,20 +210,20 @@ class AmqpPublisher:
                 properties=properties,
                 mandatory=True,
             )
-        self._next_tag = last = first + len(bodies) - 1
-        self._next_tag += 1
+        last = first + len(bodies) - 1
+        link.next_tag = last + 1
         deadline = time.monotonic() + self.confirm_timeout
-        while any(tag not in self._confirmed for tag in range(first, last + 1)):
+        while any(tag not in link.confirmed for tag in range(first, last + 1)):
             if time.monotonic() > deadline:
                 raise unavailable(f"no confirm within {self.confirm_timeout:.0f}s")
-            connection.process_data_events(time_limit=0.05)
-        connection.process_data_events(time_limit=0)  # hand over returns received
-        refused = sum(1 for tag in range(first, last + 1) if not self._confirmed.pop(tag))
+            link.connection.process_data_events(time_limit=0.05)
+        link.connection.process_data_events(time_limit=0)  # hand over returns received
+        refused = sum(1 for tag in range(first, last + 1) if not link.confirmed.pop(tag))
         if refused:
             raise unavailable(f"the broker refused {refused} of {len(bodies)} messages (nack)")
-        if self._returned:
+        if link.returned:
             self.broker.queues_pending.update(q for q, _ in bodies)
-            raise unavailable(f"{self._returned} messages returned unroutable (queue missing)")
+            raise unavailable(f"{link.returned} messages returned unroutable (queue missing)")
 
     def oldest_waiting(self, queue: str) -> datetime | None:
         """Now when the queue holds ready messages, else None.
@@ -215,4 +240,7 @@ class AmqpPublisher:
         return datetime.now(UTC) if counts[0] else None
 
     def close(self) -> None:
-        self._drop()
+        with self._lock:
+            links, self._links = list(self._links), set()
+        for link in links:
+            link.close()
