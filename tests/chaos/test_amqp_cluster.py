@@ -177,3 +177,65 @@ def test_without_a_majority_nothing_is_marked_sent_until_one_returns(
         conn.close()
         runtime.close()
         engine.dispose()
+
+
+@pytest.fixture
+def single_node() -> Iterator[RabbitCluster]:
+    value = RabbitCluster(1)
+    try:
+        value.start()
+    except BinaryNotFoundError as exc:
+        value.cleanup()
+        pytest.skip(f"no RabbitMQ node: {exc}")
+    try:
+        yield value
+    finally:
+        value.cleanup()
+
+
+def test_a_worker_waits_through_a_broker_outage_one_line_per_step(
+    single_node: RabbitCluster, database_url: str, tmp_path
+):
+    """RabbitMQ killed under a running `pipeline worker` and relay: the worker logs one line
+    per backoff step (no tracebacks, no per-thread errors) and consumes again once the node
+    is back; events produced during the outage take effect once."""
+    from tests.support import start_relay, start_worker, stop_process
+
+    settings = Settings(
+        database_url=database_url,  # type: ignore[arg-type]
+        broker_url=single_node.url,  # type: ignore[arg-type]
+        redis_namespace=f"c{uuid.uuid4().hex[:8]}",
+        canary_interval=0,
+    )
+    engine = create_engine(settings.sqlalchemy_url(), pool_size=2)
+    with engine.begin() as conn:
+        conn.exec_driver_sql(TABLES)
+    worker_log = tmp_path / "worker.log"
+    worker = start_worker(settings, APP, worker_log, processes=1, threads=2)
+    relay = start_relay(settings, APP, tmp_path / "relay.log", "--mode", "inline")
+
+    def effects() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT count(*) FROM effects")).scalar_one())
+
+    try:
+        produce(engine, [NewEvent("entry.booked", {"order_id": "before"})])
+        wait_until(lambda: effects() == 1, timeout=60)
+        single_node.kill(1)
+        produce(engine, [NewEvent("entry.booked", {"order_id": f"during-{i}"}) for i in range(5)])
+        wait_until(
+            lambda: worker_log.read_text(errors="replace").count("RabbitMQ unreachable") >= 3,
+            timeout=60,
+        )
+        single_node.restart(1)
+        wait_until(lambda: effects() == 6, timeout=120, progress=effects)
+        assert worker.poll() is None
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+        engine.dispose()
+    text_ = worker_log.read_text(errors="replace")
+    steps = [line for line in text_.splitlines() if "RabbitMQ unreachable" in line]
+    assert all("next try in" in line for line in steps)
+    assert "RabbitMQ reachable again: consuming" in text_
+    assert "Traceback" not in text_ and "CRITICAL" not in text_, text_[-3000:]

@@ -22,9 +22,11 @@ It overrides private methods of Dramatiq's broker and consumer (``_declare_*``,
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+from functools import partial
 from typing import Any
 
 import pika
@@ -53,6 +55,9 @@ from pipeline.config import Settings
 from pipeline.transport.base import UndecodableSink
 
 log = logging.getLogger("pipeline.transport.broker")
+# pika logs every connection's steps at INFO and each failed one in a dozen ERROR lines
+# with tracebacks; the pipeline reports every failure it sees in one line of its own.
+logging.getLogger("pika").setLevel(logging.CRITICAL)
 
 QUORUM = {"x-queue-type": "quorum"}
 
@@ -102,6 +107,10 @@ class BrokerOutage:
         )
         return delay
 
+    def pause(self) -> float:
+        """Seconds until the next try is due (0 when RabbitMQ is not known to be down)."""
+        return max(0.0, self._next_try - time.monotonic()) if self._backoff.failures else 0.0
+
     def succeeded(self) -> None:
         if not self._backoff.failures:
             return
@@ -113,43 +122,125 @@ class BrokerOutage:
 
 
 class PipelineRabbitmqConsumer(_RabbitmqConsumer):
-    """Dramatiq's RabbitMQ consumer: undecodable messages to the sink, then removed."""
+    """Dramatiq's RabbitMQ consumer, waiting out an outage instead of raising to Dramatiq.
+
+    Dramatiq's consumer raises on a lost connection, and each of a worker's consumer
+    threads then logs a critical error and restarts every three seconds. This one drops
+    the lost connection, waits out the broker's :class:`BrokerOutage` (one log line per
+    backoff step for the whole process) and connects again, returning no message
+    meanwhile. Deliveries of a lost connection are given back by RabbitMQ and delivered
+    again; their acknowledgements are skipped (each delivery is known by its connection's
+    generation and its tag, so a tag reused by the new channel is never acknowledged by
+    mistake). Undecodable messages go to the sink, then are acknowledged.
+    """
 
     def __init__(self, broker: Any, queue_name: str, prefetch: int, timeout: int) -> None:
+        # Dramatiq's __init__ connects (and raises); this one connects on first use.
+        self.broker = broker
         self.logical_queue = queue_name
+        self.queue_name = physical_name(broker.namespace, queue_name)
+        self.prefetch = prefetch
+        self.timeout = timeout
+        self.logger = log
+        self.generation = 0
+        self.known_tags: set[Any] = set()
+        self.connection: Any = None
+        self.channel: Any = None
+        self.iterator: Any = None
+
+    def _connect(self) -> None:
+        self.broker.declare_queue(self.logical_queue, ensure=True)
+        connection = pika.BlockingConnection(parameters=self.broker.parameters)
         try:
-            super().__init__(  # type: ignore[no-untyped-call]
-                broker, physical_name(broker.namespace, queue_name), prefetch, timeout
-            )
-        except ConnectionClosed as exc:
-            broker.outage.failed(exc)
+            channel = connection.channel()
+            channel.basic_qos(prefetch_count=self.prefetch)
+            iterator = channel.consume(self.queue_name, inactivity_timeout=self.timeout / 1000)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                connection.close()
             raise
-        broker.outage.succeeded()
+        self.generation += 1
+        self.known_tags = set()
+        self.connection, self.channel, self.iterator = connection, channel, iterator
+
+    def _drop(self) -> None:
+        connection = self.connection
+        self.connection = self.channel = self.iterator = None
+        self.known_tags = set()
+        if connection is not None and connection.is_open:
+            with contextlib.suppress(Exception):
+                connection.close()
 
     def __next__(self) -> Any:
+        outage: BrokerOutage = self.broker.outage
+        if self.iterator is None:
+            pause = outage.pause()
+            if pause:  # short naps: the consumer thread must see a stop request promptly
+                time.sleep(min(pause, self.timeout / 1000))
+                return None
+            try:
+                self._connect()
+            except (pika.exceptions.AMQPError, ConnectionClosed, OSError) as exc:
+                outage.failed(exc)
+                self._drop()
+                return None
+            outage.succeeded()
         try:
             method, _properties, body = next(self.iterator)
-            if method is None:
-                return None
         except (
             AssertionError,
             pika.exceptions.AMQPConnectionError,
             pika.exceptions.AMQPChannelError,
+            OSError,
         ) as exc:
             if getattr(exc, "reply_code", None) == 404:
                 self.broker.queues_pending.add(q_name(self.logical_queue))
-            self.broker.outage.failed(exc)
-            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+            outage.failed(exc)
+            self._drop()
+            return None
+        if method is None:
+            return None
         try:
             message = Message.decode(body)
         except Exception as exc:
             self._dead_letter_undecodable(method.delivery_tag, body, f"undecodable message: {exc}")
             return None
-        proxy = _RabbitmqMessage(  # type: ignore[no-untyped-call]
-            method.redelivered, method.delivery_tag, message
-        )
-        self.known_tags.add(method.delivery_tag)
+        key = (self.generation, method.delivery_tag)
+        proxy = _RabbitmqMessage(method.redelivered, key, message)  # type: ignore[no-untyped-call]
+        self.known_tags.add(key)
         return proxy
+
+    def ack(self, message: Any) -> None:
+        self._settle(message, acked=True)
+
+    def nack(self, message: Any) -> None:
+        """Reject without requeueing: RabbitMQ dead-letters it to ``<queue>.XQ``."""
+        self._settle(message, acked=False)
+
+    def _settle(self, message: Any, *, acked: bool) -> None:
+        key = message._tag
+        if key not in self.known_tags or self.connection is None:
+            return  # delivered on a connection since lost: RabbitMQ delivers it again
+        self.known_tags.discard(key)
+        channel = self.channel
+        settle = (
+            partial(channel.basic_ack, key[1])
+            if acked
+            else partial(channel.basic_nack, key[1], requeue=False)
+        )
+        try:
+            self.connection.add_callback_threadsafe(settle)
+        except (pika.exceptions.AMQPError, OSError) as exc:
+            log.warning(
+                "could not settle a message; RabbitMQ delivers it again",
+                extra={"queue": self.logical_queue, "error_class": type(exc).__name__},
+            )
+
+    def requeue(self, messages: Any) -> None:
+        """RabbitMQ gives unacknowledged messages back when the connection closes."""
+
+    def close(self) -> None:
+        self._drop()
 
     def _dead_letter_undecodable(self, tag: int, body: bytes, reason: str) -> None:
         """Hand the raw bytes to the sink, then acknowledge them (they can never run); if
@@ -162,7 +253,7 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
                 "queue's dead-letter queue",
                 extra={"queue": self.logical_queue, "error_class": type(exc).__name__},
             )
-            self._nack(tag)  # type: ignore[no-untyped-call]
+            self.channel.basic_nack(tag, requeue=False)
             return
         self.channel.basic_ack(tag)
 
@@ -194,11 +285,7 @@ class PipelineRabbitmqBroker(RabbitmqBroker):
 
     def consume(self, queue_name: str, prefetch: int = 1, timeout: int = 5000) -> Any:
         """Dramatiq's consume, its prefetch bounded by ``PIPELINE_BROKER_PREFETCH_MAX``."""
-        try:
-            self.declare_queue(queue_name, ensure=True)
-        except ConnectionClosed as exc:
-            self.outage.failed(exc)
-            raise
+        self.declare_queue(queue_name)  # on the server when the consumer connects
         return self.consumer_class(self, queue_name, min(prefetch, self.prefetch_max), timeout)
 
     def _build_queue_arguments(self, queue_name: str) -> dict[str, Any]:
