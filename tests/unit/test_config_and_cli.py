@@ -299,3 +299,20 @@ def test_a_refused_postgres_connection_is_one_clean_line_with_the_drivers_reason
         line = assert_one_line(result, "127.0.0.1", "port 1", "Connection refused")
         assert "\t" not in result.stderr and "s3cret-pw" not in result.stderr + result.stdout
         assert line.startswith("pipeline: error: cannot"), line
+
+
+def test_pipeline_redis_url_is_the_older_name_of_pipeline_broker_url(monkeypatch):
+    monkeypatch.delenv("PIPELINE_BROKER_URL", raising=False)
+    monkeypatch.setenv("PIPELINE_REDIS_URL", "redis://127.0.0.1:6379/0")
+    old = load_settings()
+    assert old.require_broker_url() == old.require_redis_url() == "redis://127.0.0.1:6379/0"
+    assert not old.broker_is_amqp
+    moved = old.replace(broker_url="amqp://guest:guest@127.0.0.1:5672/%2F")
+    assert moved.require_redis_url() == "amqp://guest:guest@127.0.0.1:5672/%2F"
+    assert moved.broker_is_amqp
+    monkeypatch.setenv("PIPELINE_BROKER_URL", "amqp://127.0.0.1/%2F")
+    result = run_cli("status", PIPELINE_BROKER_URL="amqp://a/", PIPELINE_REDIS_URL="redis://b/")
+    assert_one_line(result, "PIPELINE_BROKER_URL and PIPELINE_REDIS_URL differ")
+    monkeypatch.delenv("PIPELINE_REDIS_URL")
+    result = run_cli("status", PIPELINE_BROKER_URL="kafka://x")
+    assert_one_line(result, "PIPELINE_BROKER_URL", "amqp://")
