@@ -433,3 +433,17 @@ def test_doctor_names_classic_queues_and_a_short_consumer_timeout(amqp_settings)
     assert "60000 ms" in found["rabbitmq_consumer_timeout"].summary  # the longest retry delay
     assert found["rabbitmq_cluster"].status == "ok"
     assert not report.healthy
+
+
+def test_status_with_rabbitmq_down_is_one_line_without_the_password(amqp_settings):
+    from pipeline.tools.harness.server import free_port
+
+    port = free_port()
+    env = pipeline_env(amqp_settings, APP)
+    env.pop("PIPELINE_REDIS_URL", None)
+    env["PIPELINE_BROKER_URL"] = f"amqp://guest:pw123@127.0.0.1:{port}/%2F"
+    result = run_cli(["status"], env)
+    assert result.returncode == 1
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("pipeline: error: cannot use RabbitMQ at amqp://guest:***@127.0.0.1")
+    assert "pw123" not in line
