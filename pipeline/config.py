@@ -317,7 +317,10 @@ class Settings(BaseSettings):
     @classmethod
     def _broker_url(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and not value.get_secret_value().startswith(BROKER_URL_PREFIXES):
-            raise ValueError("must start with redis://, rediss://, unix://, redis+sentinel://, amqp:// or amqps://")
+            raise ValueError(
+                "must start with redis://, rediss://, unix://, redis+sentinel://, amqp:// "
+                "or amqps://"
+            )
         return value
 
     @field_validator("broker_management_url")

@@ -32,6 +32,7 @@ from pika.spec import Basic
 
 from pipeline.envelope import encode_envelope
 from pipeline.errors import PermanentPublishError, PublisherUnavailable
+from pipeline.signing import EnvelopeSigner, MessageKeys
 from pipeline.transport.amqp.broker import PipelineRabbitmqBroker
 from pipeline.transport.publisher import Delivery
 
@@ -105,9 +106,11 @@ class AmqpPublisher:
         source: str,
         confirm_timeout: float = 30.0,
         max_message_bytes: int = 64 * 1024 * 1024,
+        signer: EnvelopeSigner | None = None,
     ) -> None:
         self.broker = broker
         self.source = source
+        self.signer = signer or EnvelopeSigner(MessageKeys(), source)
         self.confirm_timeout = confirm_timeout
         self.max_message_bytes = max_message_bytes
         self._local = threading.local()
@@ -150,14 +153,21 @@ class AmqpPublisher:
             link.close()
 
     # -- Publisher port --------------------------------------------------------------------
-    def encode(self, delivery: Delivery, cache: dict[uuid.UUID, str]) -> bytes:
-        parts = []
+    def encode(
+        self,
+        delivery: Delivery,
+        cache: dict[uuid.UUID, str],
+        digests: dict[uuid.UUID, str] | None = None,
+    ) -> bytes:
+        """The Dramatiq message of one delivery, its envelopes signed for its consumer when
+        a message key is set (as the Redis publisher does)."""
         for event in delivery.events:
-            text = cache.get(event.id)
-            if text is None:
-                text = cache[event.id] = encode_envelope(event, self.source)
-            parts.append(text)
+            if event.id not in cache:
+                cache[event.id] = encode_envelope(event, self.source)
         subscription = delivery.subscription
+        parts = self.signer.sign_texts(
+            delivery.events, subscription.consumer, cache, {} if digests is None else digests
+        )
         return message_json(
             subscription.queue,
             subscription.actor_name,
@@ -171,9 +181,10 @@ class AmqpPublisher:
             return []
         outcomes: list[BaseException | None] = [None] * len(deliveries)
         envelopes: dict[uuid.UUID, str] = {}
+        digests: dict[uuid.UUID, str] = {}
         bodies: list[tuple[str, bytes]] = []
         for index, delivery in enumerate(deliveries):
-            body = self.encode(delivery, envelopes)
+            body = self.encode(delivery, envelopes, digests)
             if len(body) > self.max_message_bytes:
                 outcomes[index] = PermanentPublishError(
                     f"message of {len(body)} bytes exceeds the {self.max_message_bytes}-byte limit"
@@ -238,6 +249,11 @@ class AmqpPublisher:
             del self.broker.connection
             raise unavailable(exc) from exc
         return datetime.now(UTC) if counts[0] else None
+
+    def forgot(self) -> bool:
+        """False: quorum queues keep what they confirmed; the ledger's horizon remains the
+        backstop for anything else."""
+        return False
 
     def close(self) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ from dramatiq.errors import ConnectionClosed
 
 from pipeline.config import Settings, redact_secrets, redact_url
 from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
+from pipeline.signing import EnvelopeSigner
 from pipeline.transport.amqp.broker import (
     PipelineRabbitmqBroker,
     connect,
@@ -79,7 +80,12 @@ class AmqpTransport(Transport):
         return self.settings.redis_namespace
 
     def publisher(self, source: str) -> Publisher:
-        return AmqpPublisher(self.broker, source, self.settings.broker_confirm_timeout)
+        return AmqpPublisher(
+            self.broker,
+            source,
+            self.settings.broker_confirm_timeout,
+            signer=EnvelopeSigner.from_settings(self.settings, source),
+        )
 
     def publisher_slots(self, name: str, queue: str | None = None) -> Slots:
         return QueueBoundSlots(self, queue or name)

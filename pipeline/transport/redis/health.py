@@ -10,15 +10,14 @@ import redis
 from pipeline.config import Settings, redact_url
 from pipeline.policy import redelivery_horizon
 from pipeline.transport.base import BrokerDiagnosis
+from pipeline.transport.redis.client import redis_client
 
 
 def diagnose(settings: Settings) -> BrokerDiagnosis:
     """Reachability, eviction policy, persistence, and the measured round trip."""
     found = BrokerDiagnosis()
     url = redact_url(settings.require_broker_url())
-    client = redis.Redis.from_url(
-        settings.require_broker_url(), socket_timeout=5.0, socket_connect_timeout=5.0
-    )
+    client = redis_client(settings.require_broker_url(), 5.0)
     try:
         start = time.perf_counter()
         client.ping()
