@@ -447,3 +447,18 @@ def test_status_with_rabbitmq_down_is_one_line_without_the_password(amqp_setting
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("pipeline: error: cannot use RabbitMQ at amqp://guest:***@127.0.0.1")
     assert "pw123" not in line
+
+
+def test_signed_envelopes_flow_on_rabbitmq(amqp_engine, fast_settings):
+    """With a message key the RabbitMQ publisher signs each envelope, and workers accept them."""
+    settings = fast_settings.replace(message_key="k" * 40)
+    configure(settings)
+    with running_pipeline(settings, APP, threads=2):
+        produce(amqp_engine, [NewEvent("entry.booked", {"order_id": f"s-{i}"}) for i in range(5)])
+        wait_until(lambda: scalar(amqp_engine, "SELECT count(*) FROM effects") == 5, timeout=60)
+    assert scalar(amqp_engine, "SELECT count(*) FROM pipeline.dead_letters") == 0
+    runtime = build_runtime(settings, Registry(), set_global_broker=False)
+    try:
+        assert runtime.publisher.signer.signing  # type: ignore[attr-defined]
+    finally:
+        runtime.close()
