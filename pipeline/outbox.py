@@ -284,10 +284,13 @@ def _row(event: NewEvent, index: int, settings: Settings) -> dict[str, Any]:
         raise EventValidationError(
             f"{where}: event_type must be 1-200 characters of letters, digits and _.:/-"
         )
-    if not isinstance(event.event_version, int) or event.event_version < 1:
-        raise EventValidationError(f"{where}: event_version must be a positive integer")
+    version = event.event_version
+    if isinstance(version, bool) or not isinstance(version, int) or not 0 < version < 2**31:
+        raise EventValidationError(
+            f"{where}: event_version must be an integer from 1 to {2**31 - 1} (not a bool)"
+        )
+    event_id = _uuid(event.event_id, "event_id", where) or uuid7()
     payload = encode_payload(event.payload, settings.max_payload_bytes, where)
-    event_id = event.event_id or uuid7()
     headers = _headers(event, event_id, where)
     return {
         "id": event_id,
@@ -301,8 +304,46 @@ def _row(event: NewEvent, index: int, settings: Settings) -> dict[str, Any]:
     }
 
 
+def _uuid(value: object, name: str, where: str) -> uuid.UUID | None:
+    """``value`` as a UUID (a ``uuid.UUID`` or its text form), ``None`` kept; else refused."""
+    if value is None or isinstance(value, uuid.UUID):
+        return value
+    if isinstance(value, str):
+        try:
+            return uuid.UUID(value)
+        except ValueError:
+            pass
+    raise EventValidationError(f"{where}: {name} must be a UUID")
+
+
+MAX_PAYLOAD_DEPTH = 100
+
+
+def check_depth(payload: Any, where: str = "event", limit: int = MAX_PAYLOAD_DEPTH) -> None:
+    """Refuse a payload whose lists and objects nest deeper than ``limit`` levels.
+
+    Walked without recursion, so a payload nested thousands deep (or one that contains
+    itself) is refused with one clear error instead of a ``RecursionError``.
+    """
+    stack: list[tuple[Any, int]] = [(payload, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.values()
+        elif isinstance(value, list | tuple):
+            children = value
+        else:
+            continue
+        if depth > limit:
+            raise EventValidationError(
+                f"{where}: payload nests lists and objects deeper than {limit} levels"
+            )
+        stack.extend((child, depth + 1) for child in children)
+
+
 def encode_payload(payload: Any, max_bytes: int, where: str = "event") -> str:
     """Serialise a payload to compact JSON, refusing what JSON or the size limit cannot hold."""
+    check_depth(payload, where)
     try:
         encoded = json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
@@ -378,7 +419,10 @@ def _headers(event: NewEvent, event_id: uuid.UUID, where: str) -> dict[str, str]
         if not _storable(value):
             raise EventValidationError(f"{where}: header {name!r} {_UNSTORABLE}")
         headers[name] = value
-    headers["correlation_id"] = str(event.correlation_id or event_id)
-    if event.causation_id is not None:
-        headers["causation_id"] = str(event.causation_id)
+    headers["correlation_id"] = str(
+        _uuid(event.correlation_id, "correlation_id", where) or event_id
+    )
+    causation_id = _uuid(event.causation_id, "causation_id", where)
+    if causation_id is not None:
+        headers["causation_id"] = str(causation_id)
     return headers
