@@ -13,7 +13,7 @@ import os
 import re
 from functools import lru_cache
 from typing import Annotated, Any, Literal, Self
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
 
 from pydantic import (
     Field,
@@ -45,8 +45,18 @@ MESSAGE_KEY_MIN_CHARS = 32
 AMQP_URL_PREFIXES = ("amqp://", "amqps://")
 BROKER_URL_PREFIXES = ("redis://", "rediss://", "unix://", "redis+sentinel://", *AMQP_URL_PREFIXES)
 
-PositiveInt = Annotated[int, Field(gt=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
+# Every number has both bounds: a value past them could never work (a sleep of inf, a
+# batch of three billion rows), and NaN or infinity is never a setting.
+MAX_COUNT = 2**31 - 1  # what an int column and a Redis/Dramatiq count can hold
+MAX_INTERVAL = 7 * 24 * 3600.0  # seconds a loop may sleep, a lease or a backoff may last
+MAX_AGE = 100 * 365 * 24 * 3600  # seconds of retention
+MAX_PAYLOAD_CEILING = 512 * 1024  # the outbox table refuses larger payloads (db/tables.py)
+PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
+PositiveFloat = Annotated[float, Field(gt=0, le=MAX_INTERVAL, allow_inf_nan=False)]
+Seconds = PositiveFloat
+SecondsOrOff = Annotated[float, Field(ge=0, le=MAX_INTERVAL, allow_inf_nan=False)]  # 0: off
+Age = Annotated[int, Field(gt=0, le=MAX_AGE)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
 
 def validate_identifier(value: str, what: str = "identifier") -> str:
@@ -121,43 +131,45 @@ class Settings(BaseSettings):
     app_modules: str = ""  # comma-separated modules that register consumers
 
     # Producer
-    max_payload_bytes: PositiveInt = 256 * 1024
+    max_payload_bytes: Annotated[int, Field(gt=0, le=MAX_PAYLOAD_CEILING)] = 256 * 1024
     unordered_event_types: Annotated[frozenset[str], NoDecode] = frozenset()
 
     # Relay and publishing
-    batch_size: PositiveInt = 500
-    max_events_per_message: PositiveInt = 100
-    lease_seconds: PositiveFloat = 30.0
-    poll_interval_busy: PositiveFloat = 0.005
-    busy_poll_rate: PositiveFloat = 500.0  # events/s from which the relay polls, not NOTIFY
-    poll_interval_min: PositiveFloat = 0.05
-    poll_interval_max: PositiveFloat = 2.0
-    reconnect_backoff_max: PositiveFloat = 10.0
-    publishers_in_flight: PositiveInt = 4
+    batch_size: Annotated[int, Field(gt=0, le=100_000)] = 500
+    max_events_per_message: Annotated[int, Field(gt=0, le=100_000)] = 100
+    lease_seconds: Seconds = 30.0
+    poll_interval_busy: Seconds = 0.005
+    busy_poll_rate: Annotated[float, Field(gt=0, le=1e9, allow_inf_nan=False)] = (
+        500.0  # events/s from which the relay polls, not NOTIFY
+    )
+    poll_interval_min: Seconds = 0.05
+    poll_interval_max: Seconds = 2.0
+    reconnect_backoff_max: Seconds = 10.0
+    publishers_in_flight: Annotated[int, Field(gt=0, le=1024)] = 4
     publish_max_attempts: PositiveInt = 12
-    publish_backoff_base: PositiveFloat = 0.5
-    publish_backoff_max: PositiveFloat = 300.0
+    publish_backoff_base: Seconds = 0.5
+    publish_backoff_max: Seconds = 300.0
 
     # Workers and inbox
     # A worker's wait on Redis must end well inside the client's socket timeout (5 s).
     worker_timeout_ms: Annotated[int, Field(gt=0, le=1000)] = 100
-    broker_heartbeat_timeout_ms: PositiveInt = 60_000
+    broker_heartbeat_timeout_ms: Annotated[int, Field(gt=0, le=int(MAX_INTERVAL * 1000))] = 60_000
     broker_maintenance_chance: Annotated[int, Field(ge=0, le=1_000_000)] = 1000
-    inbox_retention_seconds: PositiveInt = 7 * 24 * 3600
-    consumer_max_retries: Annotated[int, Field(ge=0)] = 8
-    consumer_backoff_min: PositiveFloat = 0.2
-    consumer_backoff_max: PositiveFloat = 60.0
+    inbox_retention_seconds: Age = 7 * 24 * 3600
+    consumer_max_retries: Count = 8
+    consumer_backoff_min: Seconds = 0.2
+    consumer_backoff_max: Seconds = 60.0
 
     # Observability
     metrics_host: str = "127.0.0.1"
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9464  # relay; 0 disables
     worker_metrics_port: Annotated[int, Field(ge=0, le=65535)] = 9465  # pipeline worker
     metrics_multiproc_dir: str | None = None  # default: PROMETHEUS_MULTIPROC_DIR or a temp dir
-    state_metrics_interval: PositiveFloat = 5.0  # seconds between the relay's state queries
+    state_metrics_interval: Seconds = 5.0  # seconds between the relay's state queries
     log_format: Literal["json", "console"] = "console"
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     trace_ui_url: str | None = None
-    canary_interval: Annotated[float, Field(ge=0)] = 15.0  # seconds; 0 turns the canary off
+    canary_interval: SecondsOrOff = 15.0  # seconds; 0 turns the canary off
 
     # Message broker (transport). PIPELINE_BROKER_URL picks it by scheme: redis://, rediss://,
     # unix:// (Dramatiq on Redis) or amqp://, amqps:// (Dramatiq on RabbitMQ, quorum queues,
@@ -173,15 +185,17 @@ class Settings(BaseSettings):
     broker_confirm_timeout: PositiveFloat = 30.0  # RabbitMQ only: seconds to wait for confirms
 
     # Delivery ledger: Postgres knows what each consumer is owed; Redis only carries it
-    redelivery_horizon_seconds: PositiveFloat = 60.0  # an outcome overdue this long: send again
-    reconcile_interval_seconds: PositiveFloat = 5.0  # seconds between the relay's ledger sweeps
+    redelivery_horizon_seconds: Seconds = 60.0  # an outcome overdue this long: send again
+    reconcile_interval_seconds: Seconds = 5.0  # seconds between the relay's ledger sweeps
 
     # Retention: the relay's janitor deletes rows older than these ages (prune.py)
-    sent_retention_seconds: PositiveInt = 7 * 24 * 3600
-    attempts_retention_seconds: PositiveInt = 30 * 24 * 3600  # attempt and delivery history
-    audit_retention_seconds: PositiveInt = 365 * 24 * 3600
-    prune_interval_seconds: Annotated[float, Field(ge=0)] = 60.0  # 0 turns the janitor off
-    prune_batch_size: PositiveInt = 5000  # rows per delete, each its own short transaction
+    sent_retention_seconds: Age = 7 * 24 * 3600
+    attempts_retention_seconds: Age = 30 * 24 * 3600  # attempt and delivery history
+    audit_retention_seconds: Age = 365 * 24 * 3600
+    prune_interval_seconds: SecondsOrOff = 60.0  # 0 turns the janitor off
+    prune_batch_size: Annotated[int, Field(gt=0, le=1_000_000)] = (
+        5000  # rows per delete, each its own short transaction
+    )
 
     # Bounded waits on every pipeline connection (the relay's, the workers', the tools'):
     # no process waits without end on a lock, a statement, or a peer that stopped.
@@ -195,8 +209,8 @@ class Settings(BaseSettings):
     tcp_keepalives_idle_seconds: Annotated[int, Field(ge=0)] = 10
 
     # Backpressure: unsent events (pending or publishing); 0 turns a threshold off
-    backlog_warn: Annotated[int, Field(ge=0)] = 10_000  # the relay's gauge and warning
-    backlog_limit: Annotated[int, Field(ge=0)] = 0  # add_event* raise BacklogFull above it
+    backlog_warn: Count = 10_000  # the relay's gauge and warning
+    backlog_limit: Count = 0  # add_event* raise BacklogFull above it
 
     # Message authentication (pipeline/signing.py): the relay signs, workers verify.
     # "insecure" (or "none") turns it off explicitly; unset, it is off with a warning.
@@ -316,11 +330,15 @@ class Settings(BaseSettings):
     @field_validator("redis_url", "broker_url")
     @classmethod
     def _broker_url(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and not value.get_secret_value().startswith(BROKER_URL_PREFIXES):
-            raise ValueError(
-                "must start with redis://, rediss://, unix://, redis+sentinel://, amqp:// "
-                "or amqps://"
-            )
+        if value is not None:
+            url = value.get_secret_value()
+            if not url.startswith(BROKER_URL_PREFIXES):
+                raise ValueError(
+                    "must start with redis://, rediss://, unix://, redis+sentinel://, amqp:// "
+                    "or amqps://"
+                )
+            if url.startswith(("redis://", "rediss://", "unix://")):  # the others: transports
+                check_redis_url(url)
         return value
 
     @field_validator("broker_management_url")
@@ -414,10 +432,39 @@ def check_postgres_url(url: str) -> None:
     except ValueError:
         raise ValueError("is not a valid URL: its port is not a number from 0 to 65535") from None
     try:
-        psycopg.conninfo.conninfo_to_dict(url)
+        params = psycopg.conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:
         reason = redact_secrets(str(exc).splitlines()[0], url)
         raise ValueError(f"is not a valid Postgres URL ({reason})") from None
+    ports = str(params.get("port") or "")
+    if ports and not all(_is_port(port) for port in ports.split(",") if port):
+        raise ValueError("is not a valid URL: its port is not a number from 0 to 65535")
+
+
+def _is_port(text: str) -> bool:
+    return text.isascii() and text.isdigit() and int(text) <= 65535
+
+
+def check_redis_url(url: str) -> None:
+    """Refuse a Redis URL redis-py would reject late (a bad port) or read wrong (``/notadb``
+    silently means database 0), in words that never quote it."""
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        raise ValueError(
+            "is not a valid URL: its port is not a number from 0 to 65535, or a [ ] around "
+            "an IPv6 address is unbalanced"
+        ) from None
+    databases = [value for name, value in parse_qsl(parts.query) if name == "db"]
+    if parts.scheme != "unix" and parts.path not in ("", "/"):
+        databases.append(unquote(parts.path[1:]))
+    for database in databases:
+        if not (database.isascii() and database.isdigit()):
+            raise ValueError(
+                "names a database that is not a number: expected redis://host:port/N with "
+                "N a database number such as 0"
+            )
 
 
 def libpq_url(url: str) -> str:
