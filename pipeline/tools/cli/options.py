@@ -7,6 +7,7 @@ module is cheap (click and the settings): ``pipeline --help`` stays fast.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -15,6 +16,46 @@ import click
 from pipeline.config import Settings, load_settings
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# The largest whole number an option takes (a row id, a count): what Postgres's bigint
+# holds; a larger one is refused as a usage error instead of overflowing in the driver.
+MAX_ID = 2**63 - 1
+MAX_COUNT = 2**31 - 1
+MAX_SECONDS = 100 * 365 * 86400.0  # a timeout or an age given in seconds
+MIN_RATE = 0.001  # events per second: one every ~17 minutes; slower paces are a mistake
+MAX_RATE = 1_000_000.0
+
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` that refuses ``nan`` and ``inf`` (which compare false to bounds)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number
+
+
+class Pace(click.ParamType):
+    """Events per second, from ``MIN_RATE`` to ``MAX_RATE`` (and ``0`` when allowed)."""
+
+    name = "float"
+
+    def __init__(self, zero_allowed: bool) -> None:
+        self.zero_allowed = zero_allowed
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = FiniteFloatRange().convert(value, param, ctx)
+        if number == 0 and self.zero_allowed:
+            return number
+        if not MIN_RATE <= number <= MAX_RATE:
+            lowest = "0 or " if self.zero_allowed else ""
+            self.fail(
+                f"{value!r} is not a pace from {lowest}{MIN_RATE:g} to {MAX_RATE:g} per second.",
+                param,
+                ctx,
+            )
+        return number
 
 
 def settings_of(ctx: click.Context, apps: tuple[str, ...] = ()) -> Settings:
@@ -55,7 +96,7 @@ def reason_option() -> Callable[[F], F]:
 def limit_option(default: int | None, help: str) -> Callable[[F], F]:
     return click.option(
         "--limit",
-        type=click.IntRange(min=1),
+        type=click.IntRange(min=1, max=MAX_COUNT),
         default=default,
         show_default=default is not None,
         help=help,
@@ -72,7 +113,7 @@ def rate_option(
     """``--rate``: a pace in events (or orders) per second."""
     return click.option(
         "--rate",
-        type=click.FloatRange(min=0, min_open=not zero_allowed),
+        type=Pace(zero_allowed),
         default=default,
         show_default=default is not None,
         metavar=metavar,
@@ -102,7 +143,7 @@ def count_option(
     return click.option(
         flag,
         *short,
-        type=click.IntRange(min=minimum),
+        type=click.IntRange(min=minimum, max=MAX_COUNT),
         default=default,
         show_default=True,
         help=help,
@@ -112,14 +153,18 @@ def count_option(
 def seconds_option(flag: str, default: float, help: str, *, minimum: float) -> Callable[[F], F]:
     """A number of seconds (a timeout, an age), at least ``minimum``."""
     return click.option(
-        flag, type=click.FloatRange(min=minimum), default=default, show_default=True, help=help
+        flag,
+        type=FiniteFloatRange(min=minimum, max=MAX_SECONDS),
+        default=default,
+        show_default=True,
+        help=help,
     )
 
 
 def share_option(flag: str, name: str, default: float, help: str) -> Callable[[F], F]:
     """A share from 0 to 1 (of events, of attempts)."""
     return click.option(
-        flag, name, type=click.FloatRange(0, 1), default=default, show_default=True, help=help
+        flag, name, type=FiniteFloatRange(0, 1), default=default, show_default=True, help=help
     )
 
 
@@ -175,7 +220,7 @@ def dead_letter_filters() -> Callable[[F], F]:
             click.option(
                 "--id",
                 "ids",
-                type=int,
+                type=click.IntRange(min=1, max=MAX_ID),
                 multiple=True,
                 metavar="DEAD_LETTER_ID",
                 help="This dead letter (repeatable).",

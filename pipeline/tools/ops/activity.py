@@ -21,6 +21,7 @@ from pipeline.db.stores.diagnostics import DiagnosticsStore
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_DURATION_SECONDS = 100 * 365 * 86400
 _KINDS = {"duplicate": "duplicates", "redelivery": "redeliveries"}
 
 
@@ -29,7 +30,10 @@ def parse_duration(text: str) -> float:
     match = _DURATION.match(text)
     if not match or float(match.group(1)) <= 0:
         raise ValueError(f"{text!r} is not a duration (e.g. 30s, 5m, 2h, 7d)")
-    return float(match.group(1)) * _UNITS[match.group(2)]
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > MAX_DURATION_SECONDS:
+        raise ValueError(f"{text!r} is longer than 100 years")
+    return seconds
 
 
 @dataclass

@@ -15,6 +15,7 @@ from typing import Any
 
 STAGES = ("publish", "consume")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
+MAX_DURATION_SECONDS = 100 * 365 * 86400
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -27,6 +28,8 @@ def parse_when(text: str, option: str, now: datetime | None = None) -> datetime:
     match = _DURATION.match(text)
     if match:
         seconds = float(match.group(1)) * _UNITS[match.group(2)]
+        if seconds > MAX_DURATION_SECONDS:
+            raise FilterError(f"{option} {text!r} is longer than 100 years")
         return (now or datetime.now(UTC)) - timedelta(seconds=seconds)
     try:
         value = datetime.fromisoformat(text.strip())
