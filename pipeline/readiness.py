@@ -22,8 +22,8 @@ from pipeline.backoff import Backoff
 from pipeline.config import Settings, validate_identifier
 from pipeline.db.connect import connect, describe_server, driver_reason, schema_missing_message
 from pipeline.db.migrate import available_migrations
-from pipeline.db.privileges import require_privileges
-from pipeline.errors import ServiceUnavailableError
+from pipeline.db.privileges import STARTUP, require_privileges
+from pipeline.errors import PermissionDeniedError, ServiceUnavailableError
 from pipeline.transport.factory import broker_problem
 
 log = logging.getLogger("pipeline.readiness")
@@ -31,8 +31,16 @@ FIRST_WAIT = 0.5
 CHECK_TIMEOUT = 5
 
 
-def postgres_problem(settings: Settings) -> str | None:
-    """Why Postgres cannot serve the pipeline yet (down, refusing, schema missing), or None."""
+def postgres_problem(
+    settings: Settings,
+    grants: Mapping[str, frozenset[str]] | None = None,
+    command: str = "this process",
+) -> str | None:
+    """Why Postgres cannot serve the pipeline yet (down, refusing, schema missing), or None.
+
+    A role refused the read of the schema version will not be granted it by waiting: that
+    raises :class:`PermissionDeniedError` naming every grant of ``grants`` it lacks.
+    """
     try:
         conn = connect(settings, autocommit=True, connect_timeout=CHECK_TIMEOUT)
     except ServiceUnavailableError as exc:
@@ -53,6 +61,14 @@ def postgres_problem(settings: Settings) -> str | None:
                     )
                 )
             }
+    except psycopg.errors.InsufficientPrivilege as exc:
+        url = settings.require_database_url()
+        if privileges_problem(settings, grants or STARTUP, command) is None:
+            raise PermissionDeniedError(  # every grant checked is there, yet a read was refused
+                f"permission denied: {driver_reason(exc, url)} (the grants `{command}` needs "
+                "are in docs/security.md)"
+            ) from None
+        return f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
     except psycopg.Error as exc:
         url = settings.require_database_url()
         return f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
@@ -108,11 +124,12 @@ def wait_for_services(
 
     Returns False when ``stop`` was set first. Each failed check logs one warning with
     the reason and the wait before the next check; the waits double up to
-    ``PIPELINE_RECONNECT_BACKOFF_MAX``. A missing grant raises at once.
+    ``PIPELINE_RECONNECT_BACKOFF_MAX``. A missing grant raises at once, also when it is
+    the read of the schema version that the role is refused.
     """
     backoff = Backoff(FIRST_WAIT, settings.reconnect_backoff_max)
     while not stop.is_set():
-        problem = postgres_problem(settings)
+        problem = postgres_problem(settings, grants, f"pipeline {role}")
         if problem is None and redis_needed:
             problem = transport_problem(settings)
         if problem is None and grants is not None:
