@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from functools import lru_cache
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
@@ -477,6 +478,51 @@ def libpq_url(url: str) -> str:
 
 def _secret(value: object) -> object:
     return value.get_secret_value() if isinstance(value, SecretStr) else value
+
+
+# PIPELINE_* variables that are not settings: the test suite's (servers, soak switch,
+# test-only hooks) and the demo's and drill's own (PIPELINE_DEMO_*, PIPELINE_DRILL_*).
+OTHER_VARIABLES = frozenset({"PIPELINE_SOAK"})
+OTHER_PREFIXES = ("PIPELINE_DEMO_", "PIPELINE_DRILL_", "PIPELINE_TEST_")
+
+
+def setting_names() -> list[str]:
+    """Every ``PIPELINE_*`` variable that is a setting."""
+    return sorted(f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields)
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """Each ``PIPELINE_*`` variable of ``environ`` that nothing reads, with the closest
+    setting's name (``None`` when none is close): a typo that would change nothing."""
+    import difflib
+
+    known = setting_names()
+    suffixes = {name.removeprefix(ENV_PREFIX): name for name in known}
+    found = []
+    for name in sorted(os.environ if environ is None else environ):
+        upper = name.upper()
+        if (
+            not upper.startswith(ENV_PREFIX)
+            or upper in known
+            or upper in OTHER_VARIABLES
+            or upper.startswith(OTHER_PREFIXES)
+        ):
+            continue
+        close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), suffixes, n=1, cutoff=0.6)
+        found.append((name, suffixes[close[0]] if close else None))
+    return found
+
+
+def unknown_variables_warning(environ: Mapping[str, str] | None = None) -> str | None:
+    """One line naming every unknown ``PIPELINE_*`` variable and its closest setting."""
+    unknown = unknown_variables(environ)
+    if not unknown:
+        return None
+    named = ", ".join(
+        f"{name} (did you mean {close}?)" if close else name for name, close in unknown
+    )
+    which = "variable" if len(unknown) == 1 else "variables"
+    return f"unknown {which} {named}: no setting has that name, so it changes nothing"
 
 
 _PARSE_FAILURE = re.compile(r'field "(\w+)"')

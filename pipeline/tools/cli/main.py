@@ -27,11 +27,21 @@ from pipeline.tools.cli.worker import worker
     "pipeline", cls=OneLineErrorsGroup, context_settings={"help_option_names": ["-h", "--help"]}
 )
 @click.version_option(package_name="outbox-pipeline")
-def cli() -> None:
+@click.pass_context
+def cli(ctx: click.Context) -> None:
     """Transactional outbox and idempotent inbox on Postgres and Dramatiq/Redis.
 
     Configuration comes from PIPELINE_* environment variables (see README).
     """
+    from pipeline.config import unknown_variables_warning
+
+    # The long-running commands log it instead, in their log format, once logging is set up.
+    warning = unknown_variables_warning()
+    if warning is not None and ctx.invoked_subcommand not in LOGGING_COMMANDS:
+        click.echo(f"pipeline: warning: {warning}", err=True)
+
+
+LOGGING_COMMANDS = frozenset({"relay", "worker"})
 
 
 for command in (db, relay, worker, status, demo, dlq, drill, trace, prune, doctor, opskit):

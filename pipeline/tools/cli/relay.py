@@ -8,7 +8,7 @@ import click
 
 from pipeline.config import Settings
 from pipeline.tools.cli.options import apps_option, metrics_port_option, settings_of
-from pipeline.tools.cli.services import stop_on_signals
+from pipeline.tools.cli.services import stop_on_signals, warn_unknown_variables
 
 if TYPE_CHECKING:
     from pipeline.observability.metrics import MetricsServer
@@ -65,6 +65,7 @@ def relay(
     runtime = build_runtime(settings)  # import errors and bad settings: one line, here
     configure_logging(settings)
     warn_if_unauthenticated(settings)
+    warn_unknown_variables("relay")
     stop = threading.Event()
     stop_on_signals(stop.set)
     try:

@@ -13,7 +13,7 @@ from pipeline.tools.cli.options import (
     settings_of,
     threads_option,
 )
-from pipeline.tools.cli.services import stop_on_signals
+from pipeline.tools.cli.services import stop_on_signals, warn_unknown_variables
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -81,6 +81,7 @@ def worker(
     argv += _checked_dramatiq_args(dramatiq_args)
     configure_logging(settings)
     warn_if_unauthenticated(settings)
+    warn_unknown_variables("worker")
     stop = threading.Event()
     stop_on_signals(stop.set)
     publishing = not queues or PUBLISH_QUEUE_NAME in queues
