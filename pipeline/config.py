@@ -70,14 +70,21 @@ def validate_identifier(value: str, what: str = "identifier") -> str:
     return value
 
 
-_QUERY_SECRET = re.compile(r"((?:^|[&;])(?:password|sslpassword)=)[^&;]*", re.IGNORECASE)
+# A query parameter whose name says it holds a secret: password=, sslpassword= (libpq
+# reads both), api_key=, access_token=, client_secret=, signature=, auth= and the like.
+_QUERY_SECRET = re.compile(
+    r"((?:^|[&;])[^=&;]*(?:pass|pwd|secret|token|key|auth|sig|credential|session)[^=&;]*=)"
+    r"[^&;]*",
+    re.IGNORECASE,
+)
 
 
 def redact_url(url: str) -> str:
     """Return ``url`` with any password replaced by ``***`` (safe to log).
 
-    Both places a URL can carry one are covered: ``user:password@`` and the
-    ``password=`` (or ``sslpassword=``) query parameter that libpq also reads.
+    Both places a URL can carry one are covered: ``user:password@`` and query
+    parameters named for a secret (``password=``, ``sslpassword=``, ``api_key=``,
+    ``token=``, ``secret=``, ``signature=`` and the like).
     """
     try:
         parts = urlsplit(url)
@@ -114,8 +121,16 @@ def redact_secrets(text: str, *urls: str) -> str:
     for url in urls:
         text = text.replace(url, redact_url(url))
         for secret in url_secrets(url):
-            text = text.replace(secret, "***")
+            text = mask_secret(text, secret)
     return text
+
+
+def mask_secret(text: str, secret: str) -> str:
+    """``text`` with ``secret`` replaced by ``***`` wherever it stands alone: a password
+    ``p`` must not turn ``port`` into ``***ort``."""
+    before = r"(?<!\w)" if secret[:1].isalnum() or secret[:1] == "_" else ""
+    after = r"(?!\w)" if secret[-1:].isalnum() or secret[-1:] == "_" else ""
+    return re.sub(before + re.escape(secret) + after, "***", text) if secret else text
 
 
 class Settings(BaseSettings):
@@ -432,6 +447,8 @@ def check_postgres_url(url: str) -> None:
         parts.port  # noqa: B018 - raises on a port that is not a number
     except ValueError:
         raise ValueError("is not a valid URL: its port is not a number from 0 to 65535") from None
+    if parts.netloc.count("@") > 1:  # libpq would end the password at the first @
+        raise ValueError("has an @ in its user name or password: write it percent-encoded, as %40")
     try:
         params = psycopg.conninfo.conninfo_to_dict(url)
     except psycopg.ProgrammingError as exc:

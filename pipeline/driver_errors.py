@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import psycopg
 
-from pipeline.config import Settings, redact_secrets, redact_url
+from pipeline.config import Settings, mask_secret, redact_secrets, redact_url
 from pipeline.errors import (
     ConfigurationError,
     MigrationError,
@@ -146,7 +146,7 @@ def driver_reason(exc: BaseException, url: str | None = None) -> str:
     ]
     text = "; ".join(lines).removeprefix("connection failed: ") or type(exc).__name__
     password = _password(url) if url else None
-    text = text.replace(password, "***") if password else text
+    text = mask_secret(text, password) if password else text
     return redact_secrets(text, url) if url else text
 
 

@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from pipeline.config import redact_url
 from pipeline.envelope import OutboxEvent, decode_envelope, encode_envelope
 from pipeline.errors import ConfigurationError, error_text
 from pipeline.inbox.consumer import ConsumerDefinition
@@ -56,7 +57,7 @@ class SandboxOutcome:
             "retryable": self.retryable,
             "published": [{"type": t, "id": str(i)} for t, i in self.published],
             "external_calls": [
-                {"method": c.method, "url": c.url, "idempotency_key": c.idempotency_key}
+                {"method": c.method, "url": redact_url(c.url), "idempotency_key": c.idempotency_key}
                 for c in self.external_calls
             ],
         }

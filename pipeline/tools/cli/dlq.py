@@ -22,6 +22,7 @@ from pipeline.tools.cli.options import (
     settings_of,
     waiting_option,
 )
+from pipeline.tools.ops.text import printable, printable_lines
 
 if TYPE_CHECKING:
     from pipeline.tools.ops.dlq.filters import DeadLetterFilter
@@ -97,7 +98,7 @@ def list_command(
     if as_json:
         _echo_json([letter.as_json() for letter in letters])
     else:
-        click.echo("\n".join(render_list(letters, limit)))
+        click.echo(printable_lines(render_list(letters, limit)))
 
 
 @dlq.command("show")
@@ -118,7 +119,7 @@ def show_command(ctx: click.Context, dead_letter_id: int, payload: bool, as_json
     if as_json:
         _echo_json(detail.as_json(payload))
     else:
-        click.echo("\n".join(render_detail(detail, payload)))
+        click.echo(printable_lines(render_detail(detail, payload)))
 
 
 @dlq.command("replay")
@@ -171,19 +172,23 @@ def replay_command(
 
     def progress(result: StepResult) -> None:
         if not as_json:
-            click.echo("\n".join(render_results([result], 0)[:-1]))
+            click.echo(printable_lines(render_results([result], 0)[:-1]))
 
     outcome = replay_dead_letters(settings, request, progress)
     if outcome.sandbox is not None:
         if as_json:
             _echo_json(outcome.sandbox.as_json())
         else:
-            click.echo("\n".join(render_sandbox(outcome.sandbox.runs, outcome.sandbox.audit_id)))
+            click.echo(
+                printable_lines(render_sandbox(outcome.sandbox.runs, outcome.sandbox.audit_id))
+            )
     elif outcome.report is not None:
         if as_json:
             _echo_json(outcome.report.as_json())
         else:
-            click.echo(render_results(outcome.report.results, outcome.report.audit_id)[-1])
+            click.echo(
+                printable(render_results(outcome.report.results, outcome.report.audit_id)[-1])
+            )
     else:
         _echo_plan(outcome.plan, as_json)
     ctx.exit(1 if outcome.failed else 0)
@@ -198,7 +203,7 @@ def _echo_plan(plan: ReplayPlan, as_json: bool) -> None:
     lines = render_plan(plan.steps, plan.sandbox)
     if plan.rate is not None and plan.events:
         lines.append(f"paced at {plan.rate:g} events/s: about {plan.events / plan.rate:.1f} s")
-    click.echo("\n".join(lines))
+    click.echo(printable_lines(lines))
 
 
 @dlq.command("purge")
@@ -247,7 +252,7 @@ def purge_command(
             f"dry run: {len(report.letters)} dead letter(s) would be deleted (their outbox and "
             "inbox rows stay dead); nothing changed"
         )
-        click.echo("\n".join(lines))
+        click.echo(printable_lines(lines))
     else:
         click.echo(f"purged {len(report.deleted)} dead letter(s) (audit record #{report.audit_id})")
 
@@ -265,4 +270,4 @@ def audit_command(ctx: click.Context, limit: int, as_json: bool) -> None:
     if as_json:
         _echo_json([record.as_json() for record in records])
     else:
-        click.echo("\n".join(render_actions(records)))
+        click.echo(printable_lines(render_actions(records)))

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 import click
 
 from pipeline.errors import PipelineError
+from pipeline.tools.ops.text import printable
 
 
 class OneLineErrors(click.Command):
@@ -58,8 +59,8 @@ def finish(run: Callable[[], Any], prog: str) -> NoReturn:
     except click.exceptions.Abort:
         click.echo("aborted", err=True)
         sys.exit(130)
-    except PipelineError as exc:
-        click.echo(f"{prog}: error: {exc}", err=True)
+    except PipelineError as exc:  # its text may quote data: control characters escaped
+        click.echo(f"{prog}: error: {printable(str(exc), keep=chr(10))}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)

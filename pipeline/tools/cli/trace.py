@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from pipeline.tools.cli.options import json_option, settings_of
+from pipeline.tools.ops.text import printable_lines
 
 
 @click.command("trace")
@@ -27,4 +28,4 @@ def trace(ctx: click.Context, event_id: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(lineage.as_json(), indent=2))
     else:
-        click.echo("\n".join(render(lineage, settings.trace_ui_url)))
+        click.echo(printable_lines(render(lineage, settings.trace_ui_url)))

@@ -20,6 +20,7 @@ from pipeline.db.stores.state import StateStore
 from pipeline.driver_errors import wrap_driver_errors
 from pipeline.policy import redelivery_horizon
 from pipeline.tools.ops.activity import ConsumerActivity, format_activity, read_activity
+from pipeline.tools.ops.text import printable_lines
 from pipeline.transport.base import QueueDepth
 from pipeline.transport.factory import open_transport
 
@@ -165,4 +166,4 @@ def format_status(status: Status) -> str:
             lines.append(f"  {name}: {depth.ready} / {depth.delayed} / {depth.dead}")
     else:
         lines.append("queues: none known")
-    return "\n".join(lines)
+    return printable_lines(lines)  # relay ids, hosts and queue names come from the servers
