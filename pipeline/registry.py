@@ -87,6 +87,11 @@ EVENT_TYPE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,199}$")
 
 
 def validate_event_types(consumer: str, event_types: Iterable[str]) -> frozenset[str]:
+    if isinstance(event_types, str | bytes) or not isinstance(event_types, Iterable):
+        raise ConfigurationError(
+            f"consumer {consumer!r}: event types must be a list such as [{event_types!r}], "
+            f"not a {type(event_types).__name__} (a string would subscribe to its letters)"
+        )
     types = frozenset(event_types)
     for event_type in sorted(types, key=repr):
         if event_type != WILDCARD and not (

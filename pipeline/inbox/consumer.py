@@ -12,12 +12,20 @@ runtime), and the relay routes its event types to that queue.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 
+from pipeline.config import MAX_COUNT, MAX_INTERVAL
 from pipeline.envelope import ReceivedEvent
 from pipeline.errors import ConfigurationError
 from pipeline.inbox.context import HandlerContext
-from pipeline.registry import ConsumerDefinition, Registry, Subscription, registry
+from pipeline.registry import (
+    ConsumerDefinition,
+    Registry,
+    Subscription,
+    registry,
+    validate_event_types,
+)
 
 __all__ = ["ConsumerDefinition", "Handler", "consumer", "definitions"]
 
@@ -37,12 +45,28 @@ def consumer(
     time_limit: float | None = None,
     registry: Registry = registry,
 ) -> Callable[[Handler], Handler]:
-    """Register ``function`` as consumer ``name`` of ``event_types`` (``"*"`` for all)."""
-    types = frozenset(event_types)
+    """Register ``function`` as consumer ``name`` of ``event_types`` (``"*"`` for all).
+
+    Every option is checked here, where the mistake is made: ``event_types`` must be a
+    list (a string would subscribe to its letters), the numbers finite and in range.
+    """
+    types = validate_event_types(name, event_types)
     if not types:
         raise ConfigurationError(f"consumer {name!r} subscribes to no event types")
-    if max_retries is not None and max_retries < 0:
-        raise ConfigurationError(f"consumer {name!r}: max_retries must be >= 0")
+    if max_retries is not None and (
+        isinstance(max_retries, bool)
+        or not isinstance(max_retries, int)
+        or not 0 <= max_retries <= MAX_COUNT
+    ):
+        raise ConfigurationError(
+            f"consumer {name!r}: max_retries must be a whole number from 0 to {MAX_COUNT}"
+        )
+    for option, value in (
+        ("min_backoff", min_backoff),
+        ("max_backoff", max_backoff),
+        ("time_limit", time_limit),
+    ):
+        _check_seconds(name, option, value)
 
     def decorate(function: Handler) -> Handler:
         definition = ConsumerDefinition(
@@ -58,6 +82,22 @@ def consumer(
         return function
 
     return decorate
+
+
+def _check_seconds(name: str, option: str, value: object) -> None:
+    """A number of seconds: finite, above 0, at most a week (``None``: the default)."""
+    if value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_INTERVAL
+    ):
+        raise ConfigurationError(
+            f"consumer {name!r}: {option} must be a number of seconds above 0 and at most "
+            f"{MAX_INTERVAL:g} (a week), not {value!r}"
+        )
 
 
 def definitions(consumers: Registry) -> list[tuple[Subscription, ConsumerDefinition]]:

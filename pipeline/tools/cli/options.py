@@ -36,7 +36,7 @@ class FiniteFloatRange(click.FloatRange):
         return number
 
 
-class Pace(click.ParamType):
+class Pace(click.ParamType[float]):
     """Events per second, from ``MIN_RATE`` to ``MAX_RATE`` (and ``0`` when allowed)."""
 
     name = "float"
