@@ -50,6 +50,9 @@ def relay(
     Started before Postgres, Redis or `pipeline db upgrade`, it waits for them (one log
     line per try); once running, it rides out their outages the same way.
     """
+    settings = settings_of(ctx, apps)  # a bad setting: one line before any heavy import
+    settings.require_database_url()
+
     import threading
 
     from pipeline.db.privileges import relay_grants
@@ -60,8 +63,6 @@ def relay(
     from pipeline.runtime import build_runtime
     from pipeline.signing import warn_if_unauthenticated
 
-    settings = settings_of(ctx, apps)
-    settings.require_database_url()
     runtime = build_runtime(settings)  # import errors and bad settings: one line, here
     configure_logging(settings)
     warn_if_unauthenticated(settings)

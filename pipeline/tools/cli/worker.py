@@ -44,6 +44,10 @@ def worker(
     passed to the dramatiq command line. Started before Postgres, Redis or `pipeline db
     upgrade`, it waits for them (one log line per try) before starting dramatiq.
     """
+    settings = settings_of(ctx, apps)  # a bad setting: one line before any heavy import
+    settings.require_redis_url()
+    settings.require_database_url()
+
     import os
     import threading
 
@@ -55,9 +59,6 @@ def worker(
     from pipeline.runtime import build_runtime
     from pipeline.signing import warn_if_unauthenticated
 
-    settings = settings_of(ctx, apps)
-    settings.require_redis_url()
-    settings.require_database_url()
     for queue in queues:
         validate_queue_name(queue)
     runtime = build_runtime(settings)  # import errors and bad settings: one line, here
