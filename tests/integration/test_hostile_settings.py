@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from sqlalchemy import text
+from sqlalchemy import Engine, text
 
 from pipeline import add_event
 from pipeline.config import Settings
@@ -176,8 +176,9 @@ def _spoil(env: dict[str, str], changes: dict[str, str]) -> dict[str, str]:
     spoiled = dict(env)
     for name, value in changes.items():
         if value.startswith("{db}"):
-            value = _with_port(env["PIPELINE_DATABASE_URL"], value.removeprefix("{db}"))
-        spoiled[name] = value
+            spoiled[name] = _with_port(env["PIPELINE_DATABASE_URL"], value.removeprefix("{db}"))
+        else:
+            spoiled[name] = value
     return spoiled
 
 
@@ -317,7 +318,7 @@ SPOOF = "o-1\x1b]0;pwned\x07\nFAKE: all healthy\u202e"
 
 
 def test_trace_and_dlq_escape_control_characters_of_event_fields(
-    settings: Settings, engine, redis_namespace: str
+    settings: Settings, engine: Engine, redis_namespace: str
 ) -> None:
     with engine.begin() as conn:
         event_id = add_event(
