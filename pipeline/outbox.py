@@ -287,7 +287,7 @@ def _row(event: NewEvent, index: int, settings: Settings) -> dict[str, Any]:
     version = event.event_version
     if isinstance(version, bool) or not isinstance(version, int) or not 0 < version < 2**31:
         raise EventValidationError(
-            f"{where}: event_version must be an integer from 1 to {2**31 - 1} (not a bool)"
+            f"{where}: event_version must be a positive integer below {2**31} (not a bool)"
         )
     event_id = _uuid(event.event_id, "event_id", where) or uuid7()
     payload = encode_payload(event.payload, settings.max_payload_bytes, where)

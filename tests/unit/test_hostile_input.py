@@ -33,10 +33,22 @@ def nested(depth: int) -> object:
     [
         (NewEvent("a.b", nested(5000)), "nests lists and objects deeper than 100 levels"),
         (NewEvent("a.b", nested(101)), "deeper than 100 levels"),
-        (NewEvent("a.b", {}, event_version=True), "event_version must be an integer"),
-        (NewEvent("a.b", {}, event_version=2**40), "event_version must be an integer"),
-        (NewEvent("a.b", {}, event_version=2**31), "event_version must be an integer"),
-        (NewEvent("a.b", {}, event_version=0), "event_version must be an integer"),
+        (
+            NewEvent("a.b", {}, event_version=True),
+            "event_version must be a positive integer below 2147483648",
+        ),
+        (
+            NewEvent("a.b", {}, event_version=2**40),
+            "event_version must be a positive integer below 2147483648",
+        ),
+        (
+            NewEvent("a.b", {}, event_version=2**31),
+            "event_version must be a positive integer below 2147483648",
+        ),
+        (
+            NewEvent("a.b", {}, event_version=0),
+            "event_version must be a positive integer below 2147483648",
+        ),
         (NewEvent("a.b", {}, event_id="not-a-uuid"), "event_id must be a UUID"),  # type: ignore[arg-type]
         (NewEvent("a.b", {}, event_id=42), "event_id must be a UUID"),  # type: ignore[arg-type]
         (NewEvent("a.b", {}, causation_id="x"), "causation_id must be a UUID"),  # type: ignore[arg-type]
