@@ -124,6 +124,7 @@ CLI_CASES: list[tuple[str, list[str], dict[str, str], int, str]] = [
         )
         for option in options
     ],
+    ("dlq-show-id", ["dlq", "show", "99999999999999999999"], {}, 2, "DEAD_LETTER_ID"),
     *[
         (
             f"dlq-{command}-since",

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from pipeline.tools.cli.options import (
+    MAX_ID,
     apps_option,
     dead_letter_filters,
     dry_run_option,
@@ -102,7 +103,7 @@ def list_command(
 
 
 @dlq.command("show")
-@click.argument("dead_letter_id", type=click.IntRange(min=1))
+@click.argument("dead_letter_id", type=click.IntRange(min=1, max=MAX_ID))
 @click.option(
     "--payload",
     is_flag=True,
