@@ -1,5 +1,6 @@
 """What the long-running commands (``relay``, ``worker``) share: how signals stop them, and
 the warning about unknown PIPELINE_* variables.
+
 Their start-up checks (servers, schema, grants) are :func:`pipeline.readiness.wait_for_services`.
 """
 
