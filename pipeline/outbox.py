@@ -322,30 +322,34 @@ MAX_PAYLOAD_DEPTH = 100
 def check_depth(payload: Any, where: str = "event", limit: int = MAX_PAYLOAD_DEPTH) -> None:
     """Refuse a payload whose lists and objects nest deeper than ``limit`` levels.
 
-    Walked without recursion, so a payload nested thousands deep (or one that contains
-    itself) is refused with one clear error instead of a ``RecursionError``.
+    Walked level by level without recursion. Call it on a payload ``json.dumps`` took,
+    which has no cycles (it refuses those), so the walk ends.
     """
-    stack: list[tuple[Any, int]] = [(payload, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, dict):
-            children: Any = value.values()
-        elif isinstance(value, list | tuple):
-            children = value
-        else:
-            continue
+    level = [payload] if isinstance(payload, dict | list | tuple) else []
+    depth = 0
+    while level:
+        depth += 1
         if depth > limit:
             raise EventValidationError(
                 f"{where}: payload nests lists and objects deeper than {limit} levels"
             )
-        stack.extend((child, depth + 1) for child in children)
+        below = []
+        for value in level:
+            for child in value.values() if isinstance(value, dict) else value:
+                if isinstance(child, dict | list | tuple):
+                    below.append(child)
+        level = below
 
 
 def encode_payload(payload: Any, max_bytes: int, where: str = "event") -> str:
-    """Serialise a payload to compact JSON, refusing what JSON or the size limit cannot hold."""
-    check_depth(payload, where)
+    """Serialise a payload to compact JSON, refusing what JSON, the size limit or the depth
+    limit cannot hold."""
     try:
         encoded = json.dumps(payload, separators=(",", ":"), allow_nan=False, ensure_ascii=False)
+    except RecursionError:  # nested past the interpreter's own limit (~1,000 levels)
+        raise EventValidationError(
+            f"{where}: payload nests lists and objects deeper than {MAX_PAYLOAD_DEPTH} levels"
+        ) from None
     except (TypeError, ValueError) as exc:
         raise EventValidationError(f"{where}: payload is not JSON-serialisable: {exc}") from None
     try:
@@ -359,6 +363,10 @@ def encode_payload(payload: Any, max_bytes: int, where: str = "event") -> str:
             f"{where}: payload is {size} bytes, over the limit of {max_bytes} "
             "(PIPELINE_MAX_PAYLOAD_BYTES)"
         )
+    # Fewer brackets in the text than the limit (brackets in strings count too): the
+    # payload cannot nest that deep, and the walk is skipped.
+    if encoded.count("[") + encoded.count("{") > MAX_PAYLOAD_DEPTH:
+        check_depth(payload, where)
     if "\\u0000" in encoded:
         raise EventValidationError(
             f"{where}: payload contains a NUL character, which jsonb rejects"
