@@ -46,6 +46,7 @@ def base_env(
         PIPELINE_CANARY_INTERVAL="0",
         PIPELINE_METRICS_PORT="0",
         PIPELINE_WORKER_METRICS_PORT="0",
+        PIPELINE_MESSAGE_KEY="insecure",  # authentication is another test's subject
         PYTHONPATH=str(ROOT),
     )
     try:
@@ -304,7 +305,9 @@ def test_a_relay_or_worker_with_the_producer_role_names_its_missing_grants(
     deployment: Deployment,  # noqa: F811 - the fixture imported above
     command: str,
 ) -> None:
-    result = run_cli_process([command], deployment.env("producer"), timeout=60)
+    # "insecure": message authentication is not what this test is about (no warning line)
+    env = deployment.env("producer", PIPELINE_MESSAGE_KEY="insecure")
+    result = run_cli_process([command], env, timeout=60)
     line = one_line(result, 1, f"`pipeline {command}` needs (the grants are in docs/security.md)")
     role = deployment.role("producer")
     assert line.startswith(
