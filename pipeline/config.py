@@ -216,13 +216,13 @@ class Settings(BaseSettings):
     # Bounded waits on every pipeline connection (the relay's, the workers', the tools'):
     # no process waits without end on a lock, a statement, or a peer that stopped.
     # Milliseconds; 0 turns one off. Producers' sessions are the application's own.
-    lock_timeout_ms: Annotated[int, Field(ge=0)] = 5_000  # a wait on a row or advisory lock
-    statement_timeout_ms: Annotated[int, Field(ge=0)] = 60_000  # one statement's run time
+    lock_timeout_ms: Count = 5_000  # a wait on a row or advisory lock
+    statement_timeout_ms: Count = 60_000  # one statement's run time
     # A session idle inside its transaction this long is ended by the server (its locks go)
-    idle_in_transaction_timeout_ms: Annotated[int, Field(ge=0)] = 120_000
+    idle_in_transaction_timeout_ms: Count = 120_000
     # TCP keepalives, both ends: a dead or partitioned peer is noticed within about
     # idle + 3 x (idle / 2) seconds and its backend (or connection) dropped. 0: OS defaults
-    tcp_keepalives_idle_seconds: Annotated[int, Field(ge=0)] = 10
+    tcp_keepalives_idle_seconds: Annotated[int, Field(ge=0, le=32767)] = 10
 
     # Backpressure: unsent events (pending or publishing); 0 turns a threshold off
     backlog_warn: Count = 10_000  # the relay's gauge and warning
