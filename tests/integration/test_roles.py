@@ -158,7 +158,8 @@ class Deployment:
             APP,
             PIPELINE_METRICS_PORT="0",
             PIPELINE_WORKER_METRICS_PORT="0",
-            **extra,
+            # unsigned on purpose unless a test says otherwise: no warning line at start
+            **{"PIPELINE_MESSAGE_KEY": "insecure", **extra},
         )
 
 
