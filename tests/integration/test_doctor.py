@@ -237,3 +237,25 @@ def test_listen_url_behind_a_transaction_pooler_is_flagged(doctor_settings, pgbo
     assert "a connection pooler sits between this host and Postgres" in pooler["summary"]
     # Everything else still reads through the pooler.
     assert {f["check"]: f["status"] for f in report["findings"]}["schema"] == "ok"
+
+
+def test_doctor_reports_the_sentinel_quorum_and_each_replica():
+    """Behind Sentinel: the quorum is met while the sentinels answer, a problem once too
+    few do; the replica is listed with its link and how far behind the master it is."""
+    from pipeline.config import load_settings
+    from pipeline.tools.harness.sentinel import SentinelSet
+    from pipeline.transport.redis.health import diagnose
+
+    with SentinelSet() as sentinels:
+        settings = load_settings(redis_url=sentinels.url, message_key="insecure")
+        found = {f.check: f for f in diagnose(settings).findings}
+        assert found["redis_sentinel"].status == "ok", found["redis_sentinel"]
+        assert "3 of 3 listed sentinels answer" in found["redis_sentinel"].summary
+        assert found["redis_replicas"].status == "ok"
+        assert "link ok" in found["redis_replicas"].summary
+        assert "bytes behind" in found["redis_replicas"].summary
+        sentinels.sentinels[0].kill()
+        sentinels.sentinels[1].kill()
+        found = {f.check: f for f in diagnose(settings).findings}
+        assert found["redis_sentinel"].status == "problem"
+        assert "1 of 3 listed sentinels answer" in found["redis_sentinel"].summary
