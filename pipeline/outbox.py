@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -98,12 +99,16 @@ def add_events(session: Session | Connection, events: Sequence[NewEvent]) -> lis
     if rows:
         connection = session if isinstance(session, Connection) else session.connection()
         _refuse_autocommit(connection)
+        deferred = _deferred.get()
         with _permission_errors(settings):
             if settings.backlog_limit and _gate.due(settings):
                 query, params = _gate.query(settings)
                 _gate.record(settings, connection.exec_driver_sql(query, params).scalar_one())
             _gate.check(settings)
-            connection.exec_driver_sql(*_insert(rows, settings))
+            if deferred is not None and deferred.holds(session, connection):
+                deferred.rows.extend(rows)  # inserted just before the transaction commits
+            else:
+                connection.exec_driver_sql(*_insert(rows, settings))
     return [row["id"] for row in rows]
 
 
@@ -134,6 +139,68 @@ async def add_events_async(
             _gate.check(settings)
             await connection.exec_driver_sql(*_insert(rows, settings))
     return [row["id"] for row in rows]
+
+
+class DeferredEvents:
+    """Events added to one transaction, held back until just before it commits.
+
+    The insert takes each ordered key's lock (:mod:`pipeline.db.ordering`) until COMMIT;
+    a transaction that inserts early and then waits (a handler calling another service,
+    a frozen worker) makes every producer of those keys wait with it. The inbox adds a
+    handler's follow-up events here instead: each is validated (and the backlog limit
+    checked) when it is added, as :func:`add_events` does, and all are inserted in one
+    statement, in lock order, by :meth:`insert` right before COMMIT — so the locks are
+    held for the time of that statement and the commit, whatever the handlers did.
+    """
+
+    def __init__(self, session: Session) -> None:
+        self.session = session
+        self.rows: list[dict[str, Any]] = []
+
+    def holds(self, session: Session | Connection, connection: Connection) -> bool:
+        """Whether events added on ``session`` (whose connection is ``connection``) belong
+        to this transaction: the session itself, or the connection it is using now."""
+        return session is self.session or connection is self.session.connection()
+
+    def mark(self) -> int:
+        """A point to go back to (:meth:`discard_after`) when work since is rolled back."""
+        return len(self.rows)
+
+    def discard_after(self, mark: int) -> None:
+        del self.rows[mark:]
+
+    def insert(self) -> int:
+        """Insert the held events on the transaction's connection; how many there were."""
+        count = len(self.rows)
+        if count:
+            settings = get_settings()
+            rows, self.rows = self.rows, []
+            with _permission_errors(settings):
+                self.session.connection().exec_driver_sql(*_insert(rows, settings))
+        return count
+
+
+_deferred: ContextVar[DeferredEvents | None] = ContextVar("pipeline_deferred_events", default=None)
+
+
+def held_events() -> DeferredEvents | None:
+    """The events held back in this context (:func:`deferring_events`), if any."""
+    return _deferred.get()
+
+
+@contextmanager
+def deferring_events(session: Session) -> Iterator[DeferredEvents]:
+    """Hold back events added on ``session`` (or its connection) while the block runs.
+
+    The caller inserts them with :meth:`DeferredEvents.insert` before it commits; events
+    still held when the block ends are dropped (their transaction did not commit).
+    """
+    deferred = DeferredEvents(session)
+    token = _deferred.set(deferred)
+    try:
+        yield deferred
+    finally:
+        _deferred.reset(token)
 
 
 def _refuse_autocommit(connection: Connection | None) -> None:

@@ -5,7 +5,9 @@ one database transaction, and one failure does not roll back its neighbours:
 
 1. claim the inbox key (consumer, event id) — no row back means a duplicate;
 2. run the handler on the same transaction (its writes, follow-up events and the
-   inbox record commit together);
+   inbox record commit together). Follow-up events are validated as they are published
+   and inserted just before COMMIT, so the ordering locks their insert takes are never
+   held while a handler waits: no producer waits on a slow or frozen handler;
 3. on an exception, roll back the handler's work and record the failed attempt; after
    the commit, failed events are re-sent with a jittered delay, or dead-lettered when
    non-retryable or out of retries.
@@ -30,6 +32,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -42,11 +45,12 @@ from pipeline.config import Settings
 from pipeline.db.ordering import ordering_lock_bucket
 from pipeline.db.stores.inbox import ConsumeDeadLetter, InboxStore
 from pipeline.envelope import EnvelopeError, ReceivedEvent, decode_envelope
-from pipeline.errors import error_text
+from pipeline.errors import PermissionDeniedError, error_text
 from pipeline.inbox.consumer import ConsumerDefinition
 from pipeline.inbox.context import HandlerContext
 from pipeline.inbox.upcasting import Upcasters, upcasters
 from pipeline.observability import metrics, tracing
+from pipeline.outbox import DeferredEvents, deferring_events, held_events
 from pipeline.registry import Subscription
 from pipeline.signing import REASONS, EnvelopeSigner, event_source
 
@@ -140,24 +144,60 @@ class InboxProcessor:
                 outcome.dead += 1
         committed = Committed()
         if events:
-            # The connection comes from the session, so that the session owns (and
-            # commits) the one transaction shared by the inbox records and the handlers.
-            with Session(self.engine()) as session:
-                session.begin()
-                try:
+            dead = outcome.dead
+            try:
+                self._transaction(events, outcome, committed, deferrals, defer=True)
+            except _FollowUpsRefused as refused:
+                # Rare (a follow-up's id already taken, a missing grant): handle the message
+                # again with each handler's events inserted as it publishes them, so the
+                # error fails the handler that caused it, as any of its statements would.
+                log.warning(
+                    "follow-up events refused at commit; handling the message again with "
+                    "events inserted as they are published",
+                    extra={
+                        "consumer": self.subscription.consumer,
+                        "error_class": type(refused.__cause__).__name__,
+                    },
+                )
+                outcome, committed = Outcome(dead=dead), Committed()
+                self._transaction(events, outcome, committed, deferrals, defer=False)
+        self._count(committed, outcome)
+        for resend in outcome.resends:
+            self.resend(resend.envelopes, resend.delay, resend.deferrals)
+        return outcome
+
+    def _transaction(
+        self,
+        events: Sequence[tuple[dict[str, Any], ReceivedEvent]],
+        outcome: Outcome,
+        committed: Committed,
+        deferrals: int,
+        defer: bool,
+    ) -> None:
+        """The message's one transaction: claims, handlers, and their follow-up events.
+
+        With ``defer``, follow-up events are held back and inserted just before COMMIT
+        (:class:`pipeline.outbox.DeferredEvents`): the ordering locks they take are then
+        held for that statement and the commit only, never while a handler waits on
+        another service, so no producer ever waits on a slow or frozen handler.
+        """
+        # The connection comes from the session, so that the session owns (and
+        # commits) the one transaction shared by the inbox records and the handlers.
+        with Session(self.engine()) as session:
+            session.begin()
+            try:
+                with deferring_events(session) if defer else nullcontext() as held:
                     if self.subscription.ordered:
                         self._handle_events(session, events, outcome, deferrals)
                     else:
                         self._handle_batch(session, events, outcome, committed)
                     self._log_duplicates(session, committed, outcome)
-                    session.commit()
-                except BaseException:
-                    session.rollback()
-                    raise
-        self._count(committed, outcome)
-        for resend in outcome.resends:
-            self.resend(resend.envelopes, resend.delay, resend.deferrals)
-        return outcome
+                    if held is not None:
+                        _insert_held(held)
+                session.commit()
+            except BaseException:
+                session.rollback()
+                raise
 
     def _handle_batch(
         self,
@@ -175,9 +215,11 @@ class InboxProcessor:
                 self._duplicate_span(event)
             else:
                 batch[event.id] = (envelope, event)
-        # Handled in the lock order of their ordering keys: follow-up events usually share
-        # their cause's key, and the insert trigger locks each key's bucket, so two messages
-        # handled at once take those locks in one order and cannot deadlock on them.
+        # Handled in the lock order of their ordering keys. Follow-up events are normally
+        # held back and inserted together, in lock order, before COMMIT; when they are not
+        # (a message handled again after its follow-ups were refused) they usually share
+        # their cause's key, so two messages handled at once still take the insert
+        # trigger's key locks in one order and cannot deadlock on them.
         runs = sorted(batch.values(), key=lambda run: _lock_order(run[1]))
         attempts = self._claim_all(session.connection(), [event for _, event in runs])
         for _, event in runs:
@@ -196,6 +238,7 @@ class InboxProcessor:
                     session.rollback()  # its neighbours' work too: they are redone below
                     session.begin()
                     committed.clear()
+                    _discard_held(0)
                     metrics.handler_duration.labels(consumer, event.type).observe(
                         time.perf_counter() - started
                     )
@@ -278,8 +321,14 @@ class InboxProcessor:
         context = HandlerContext(
             current, session, self.subscription.consumer, attempt, self.subscription.queue
         )
-        self.definition.function(current, context)
-        session.flush()
+        held = held_events()
+        mark = held.mark() if held is not None else 0
+        try:
+            self.definition.function(current, context)
+            session.flush()
+        except BaseException:
+            _discard_held(mark)  # its follow-ups are rolled back with the rest of its work
+            raise
 
     def _handle_events(
         self,
@@ -573,6 +622,30 @@ def envelope_id(envelope: Any) -> uuid.UUID | None:
         return uuid.UUID(str(envelope.get("id")))
     except ValueError:
         return None
+
+
+class _FollowUpsRefused(Exception):
+    """The held follow-up events could not be inserted (the cause says why)."""
+
+
+def _insert_held(held: DeferredEvents) -> None:
+    """Insert the held follow-up events; a refusal other than a lost connection is raised
+    as :class:`_FollowUpsRefused` (the message is then handled again, events inserted as
+    they are published)."""
+    try:
+        held.insert()
+    except DBAPIError as exc:
+        if exc.connection_invalidated:
+            raise
+        raise _FollowUpsRefused() from exc
+    except PermissionDeniedError as exc:
+        raise _FollowUpsRefused() from exc
+
+
+def _discard_held(mark: int) -> None:
+    held = held_events()
+    if held is not None:
+        held.discard_after(mark)
 
 
 def _lock_order(event: ReceivedEvent) -> int:
