@@ -79,6 +79,23 @@ def translate(exc: BaseException, settings: Settings, verb: str = "use") -> Pipe
     return None
 
 
+def is_outage(exc: BaseException) -> bool:
+    """Whether ``exc`` is a server being out of reach, not a bug: Postgres refusing or
+    dropping connections (``OperationalError``, a connection SQLAlchemy invalidated, its
+    pool timing out), or Redis unreachable. Processes wait and retry these, in one line."""
+    sa_exc = sys.modules.get("sqlalchemy.exc")
+    if sa_exc is not None:
+        if isinstance(exc, sa_exc.DBAPIError) and exc.connection_invalidated:
+            return True
+        if isinstance(exc, sa_exc.TimeoutError):
+            return True
+    cause = _unwrap_sqlalchemy(exc)
+    if isinstance(cause, (psycopg.OperationalError, psycopg.InterfaceError)):
+        return True
+    redis = sys.modules.get("redis")
+    return redis is not None and isinstance(cause, (redis.ConnectionError, redis.TimeoutError))
+
+
 def _unwrap_sqlalchemy(exc: BaseException) -> BaseException:
     """SQLAlchemy's ``DBAPIError`` carries the driver's own error in ``orig``."""
     sa_exc = sys.modules.get("sqlalchemy.exc")
@@ -166,6 +183,7 @@ __all__ = [
     "SCHEMA_MISSING",
     "describe_server",
     "driver_reason",
+    "is_outage",
     "permission_denied",
     "schema_missing_message",
     "translate",

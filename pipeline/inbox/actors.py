@@ -10,12 +10,20 @@ bookkeeping); what does reach it is an infrastructure failure (database or broke
 down, the connection killed), which Dramatiq's Retries middleware re-delivers with
 capped exponential backoff — counted and logged here, and made harmless by the inbox.
 Should the broker lose even that retry, the relay's ledger sweep delivers the event again.
+
+An expected outage (:func:`pipeline.driver_errors.is_outage`: Postgres refusing or
+dropping connections, Redis unreachable) is logged as one line per failed message —
+error class, reason, actor, message id, the wait before the next try — with the
+traceback at DEBUG only: the actor raises it to Dramatiq as :class:`InfrastructureRetry`
+(a ``dramatiq.Retry``, which Dramatiq retries without logging it as an error). Any
+other exception is a bug and keeps Dramatiq's error line with its traceback.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -25,8 +33,10 @@ from dramatiq.errors import ActorNotFound
 from dramatiq.middleware import Middleware
 from sqlalchemy import Engine
 
+from pipeline.backoff import backoff_ceiling
 from pipeline.config import Settings
 from pipeline.db.connect import make_engine
+from pipeline.driver_errors import driver_reason, is_outage
 from pipeline.inbox.consumer import definitions
 from pipeline.inbox.processor import InboxProcessor, envelope_id, record_unreadable
 from pipeline.observability import metrics
@@ -71,26 +81,108 @@ class ProcessEngine:
         self._engine = None
 
 
+class InfrastructureRetry(dramatiq.Retry):
+    """An inbox message failed because a server is out of reach; retry it after ``delay``
+    ms. Dramatiq retries a ``Retry`` without logging it as an error; the cause is the
+    driver's exception, logged in one line by :class:`CountInfrastructureRetries`."""
+
+    def __init__(self, cause: BaseException, delay: int) -> None:
+        super().__init__(f"{type(cause).__name__}: {driver_reason(cause)}", delay=delay)
+        self.cause = cause
+
+
+def failure_of(exception: BaseException | None) -> BaseException | None:
+    """The exception that failed a message (the outage behind an :class:`InfrastructureRetry`)."""
+    return exception.cause if isinstance(exception, InfrastructureRetry) else exception
+
+
+class _CurrentMessage(threading.local):
+    message: Any = None  # the message this worker thread is processing
+    quiet_retry: str | None = None  # its id, once logged here: Dramatiq's line is DEBUG
+
+
+_current = _CurrentMessage()
+
+
+def infrastructure_delay_ms(retries: int) -> int:
+    """The wait before the next try of a message that failed ``retries`` times before:
+    doubling from the minimum to the maximum backoff, drawn from its upper half."""
+    ceiling = backoff_ceiling(
+        retries + 1, INFRASTRUCTURE_MIN_BACKOFF_MS, INFRASTRUCTURE_MAX_BACKOFF_MS
+    )
+    return int(random.uniform(ceiling / 2, ceiling))
+
+
+def retry_outages(function: Any, *args: Any, **kwargs: Any) -> None:
+    """Run the actor's work; an expected outage leaves as :class:`InfrastructureRetry`."""
+    try:
+        function(*args, **kwargs)
+    except Exception as exc:
+        message = _current.message
+        if not is_outage(exc) or message is None:
+            raise
+        log.debug("message failed outside its handlers", exc_info=True)
+        _current.quiet_retry = message.message_id
+        delay = infrastructure_delay_ms(message.options.get("retries", 0))
+        raise InfrastructureRetry(exc, delay) from exc
+
+
+class QuietRetries(logging.Filter):
+    """Dramatiq's own "Retrying message ..." line, for a message whose retry was just
+    logged by :class:`CountInfrastructureRetries`, becomes DEBUG (one line per failure)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        quiet = _current.quiet_retry
+        if quiet is None or not isinstance(record.args, tuple) or quiet not in record.args:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+RETRIES_LOGGER = "dramatiq.middleware.retries.Retries"  # Dramatiq's Retries middleware logs here
+
+
+def quiet_dramatiq_retries() -> None:
+    """Install :class:`QuietRetries` on Dramatiq's Retries logger (once)."""
+    logger = logging.getLogger(RETRIES_LOGGER)
+    if not any(isinstance(f, QuietRetries) for f in logger.filters):
+        logger.addFilter(QuietRetries())
+
+
 class CountInfrastructureRetries(Middleware):
     """One metric increment and one log line per inbox message that failed outside its
     handlers (Dramatiq's Retries middleware sends it again)."""
 
+    def before_process_message(self, broker: Any, message: Any) -> None:
+        _current.message = message
+        _current.quiet_retry = None
+
     def after_process_message(
         self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
     ) -> None:
+        _current.message = None
+        _current.quiet_retry = None
         if exception is None or not message.actor_name.startswith(ACTOR_PREFIX):
             return
         consumer = message.actor_name.removeprefix(ACTOR_PREFIX)
-        error_class = type(exception).__name__
+        failure = failure_of(exception)
+        error_class = type(failure).__name__
         metrics.inbox_infrastructure_retries.labels(consumer, error_class).inc()
-        log.warning(
-            "message failed outside its handlers; it will be retried",
-            extra={
-                "consumer": consumer,
-                "error_class": error_class,
-                "retries": message.options.get("retries", 0),
-            },
-        )
+        fields: dict[str, Any] = {
+            "consumer": consumer,
+            "actor": message.actor_name,
+            "message_id": message.message_id,
+            "error_class": error_class,
+            "retries": message.options.get("retries", 0),
+        }
+        if isinstance(exception, InfrastructureRetry):
+            fields["reason"] = str(exception)
+            fields["retry_in"] = round((exception.delay or 0) / 1000, 3)
+        log.warning("message failed outside its handlers; it will be retried", extra=fields)
+
+    def after_skip_message(self, broker: Any, message: Any) -> None:
+        _current.message = None
+        _current.quiet_retry = None
 
 
 class DeadLetterUnknownActors(Middleware):
@@ -115,7 +207,7 @@ class DeadLetterUnknownActors(Middleware):
                 "registered (unknown consumer)"
             )
         else:
-            reason = f"gave up after infrastructure retries: {type(exception).__name__}"
+            reason = f"gave up after infrastructure retries: {type(failure_of(exception)).__name__}"
         envelopes = message.args[0] if message.args and isinstance(message.args[0], list) else []
         carried = [i for i in (envelope_id(e) for e in envelopes) if i is not None]
         consumer = message.actor_name.removeprefix(ACTOR_PREFIX)
@@ -156,9 +248,9 @@ def inbox_function(processor: InboxProcessor) -> Callable[..., None]:
     def run(*args: Any, **kwargs: Any) -> None:
         envelopes, deferrals = message_arguments(args, kwargs)
         if envelopes is None:
-            processor.dead_letter_arguments(args, kwargs)
+            retry_outages(processor.dead_letter_arguments, args, kwargs)
             return
-        processor.handle(envelopes, deferrals)
+        retry_outages(processor.handle, envelopes, deferrals)
 
     return run
 
@@ -171,6 +263,7 @@ def declare_inbox_actors(
     broker = transport.broker
     broker.add_middleware(DeadLetterUnknownActors(settings, engine))
     broker.add_middleware(CountInfrastructureRetries())
+    quiet_dramatiq_retries()
     transport.on_undecodable(
         lambda queue, data, reason: record_unreadable(settings, engine(), queue, reason, raw=data)
     )
