@@ -87,7 +87,8 @@ class InfrastructureRetry(dramatiq.Retry):
     driver's exception, logged in one line by :class:`CountInfrastructureRetries`."""
 
     def __init__(self, cause: BaseException, delay: int) -> None:
-        super().__init__(f"{type(cause).__name__}: {driver_reason(cause)}", delay=delay)
+        driver_error = getattr(cause, "orig", None) or cause  # SQLAlchemy's wrapper: the driver's
+        super().__init__(driver_reason(driver_error), delay=delay)
         self.cause = cause
 
 
@@ -160,8 +161,7 @@ class CountInfrastructureRetries(Middleware):
     def after_process_message(
         self, broker: Any, message: Any, *, result: Any = None, exception: Any = None
     ) -> None:
-        _current.message = None
-        _current.quiet_retry = None
+        _current.message = None  # quiet_retry stays: Dramatiq's Retries may log after this
         if exception is None or not message.actor_name.startswith(ACTOR_PREFIX):
             return
         consumer = message.actor_name.removeprefix(ACTOR_PREFIX)
@@ -182,7 +182,6 @@ class CountInfrastructureRetries(Middleware):
 
     def after_skip_message(self, broker: Any, message: Any) -> None:
         _current.message = None
-        _current.quiet_retry = None
 
 
 class DeadLetterUnknownActors(Middleware):

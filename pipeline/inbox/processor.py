@@ -56,6 +56,8 @@ from pipeline.signing import REASONS, EnvelopeSigner, event_source
 
 log = logging.getLogger("pipeline.inbox")
 DEFER_DELAY = 0.05  # seconds before a deferred ordered event first looks at its predecessor again
+OPEN_SAVEPOINTS = "pipeline.open_savepoints"  # Session.info key: savepoints not yet released
+MAX_OPEN_SAVEPOINTS = 64
 DEFER_DELAY_MAX = 2.0  # the wait doubles with each deferral up to this: a held key costs little
 Resender = Callable[[list[dict[str, Any]], float, int], None]
 """Sends envelopes again after a delay (seconds), with the number of deferrals so far."""
@@ -382,8 +384,16 @@ class InboxProcessor:
         consumer = self.subscription.consumer
         # A savepoint that is not rolled back is never released: the message's COMMIT
         # releases them all, a round trip fewer per event (the next one nests inside it).
+        # Every MAX_OPEN_SAVEPOINTS they are released at once, so a message of many events
+        # never nests deeper than that (SQLAlchemy commits nested savepoints recursively).
+        open_savepoints: list[Any] = session.info.setdefault(OPEN_SAVEPOINTS, [])
+        if len(open_savepoints) >= MAX_OPEN_SAVEPOINTS:
+            open_savepoints[0].commit()  # RELEASE of the oldest releases the newer ones too
+            open_savepoints.clear()
         savepoint = None if alone else session.begin_nested()
         connection = session.connection()  # emits the SAVEPOINT now: the claim must be inside
+        if savepoint is not None:
+            open_savepoints.append(savepoint)  # taken out again if it is rolled back
         attempt = self.store.claim(connection, consumer, event)
         if attempt is None:
             self._count_duplicate(event, outcome)
@@ -395,6 +405,7 @@ class InboxProcessor:
             except (Exception, TimeLimitExceeded) as exc:
                 if savepoint is not None:
                     savepoint.rollback()
+                    open_savepoints.remove(savepoint)
                 else:  # the message's own transaction was the savepoint: start another
                     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
                         raise  # the database went away, not the handler: Dramatiq redelivers

@@ -99,7 +99,7 @@ class Producers:
             with self._lock:
                 self.commits.append(time.monotonic())
                 self.ids.append(event_id)
-            time.sleep(0.01)  # an offered rate of up to ~100 orders/s per thread
+            time.sleep(0.05)  # an offered rate of up to ~20 orders/s per thread
 
     def __enter__(self) -> Producers:
         for thread in self.threads:
@@ -283,7 +283,7 @@ def test_worker_log_has_one_line_per_failure_while_postgres_refuses_connections(
     and its sessions are terminated, while events keep arriving: one warning per failed
     message with its error class, actor, message id and next retry; no traceback, no
     error line of Dramatiq's; and every event is handled once afterwards."""
-    role, url = worker_role(engine, str(stuck_settings.database_url))
+    role, url = worker_role(engine, stuck_settings.require_database_url())
     worker_log = tmp_path / "worker.log"
     relay = start_relay(stuck_settings, APP, tmp_path / "relay.log")
     workers = start_worker(stuck_settings.replace(database_url=url), APP, worker_log, 1, 4)

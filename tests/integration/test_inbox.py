@@ -549,3 +549,24 @@ def test_a_time_limit_in_a_batch_resends_the_neighbours_instead_of_running_them_
         [[str(uuid.UUID(int=2))], [str(uuid.UUID(int=n)) for n in (1, 3)]]
     )
     assert scalar(engine, "SELECT count(*) FROM pipeline.inbox WHERE consumer = 'slow_batch'") == 1
+
+
+def test_an_ordered_message_of_many_events_commits_without_deep_savepoint_nesting(
+    engine, inbox_settings
+):
+    """A message of 400 events (deferred events of a key travel together, and grow) is
+    handled in one transaction: savepoints are released every so often, so its COMMIT
+    does not recurse once per event (a RecursionError past ~300 events)."""
+    from pipeline.inbox.consumer import consumer
+
+    routes = Registry()
+    consumer("many", ["step"], ordered=True, registry=routes)(
+        lambda event, ctx: ctx.session.execute(
+            text("INSERT INTO effects (stage, order_id, event_id) VALUES ('m', :n, :id)"),
+            {"n": str(event.data["n"]), "id": event.id},
+        )
+    )
+    processor = direct_processor(engine, inbox_settings, routes)
+    outcome = processor.handle([step_envelope(n) for n in range(1, 401)])
+    assert outcome.processed == 400
+    assert len(stage_counts(engine, "m")) == 400
