@@ -1,6 +1,7 @@
 """Consumers for the stuck-worker tests, run by real worker processes.
 
 * ``tally`` (ordered) records every ``order.placed`` with its key and sequence number;
+* ``counter`` (unordered) records every ``item.added``;
 * ``holder`` publishes a follow-up of a hot key, then waits for an advisory lock the
   test holds (``HOLD_LOCK``): the test knows the transaction is open and where;
 * ``noter`` records the follow-up.
@@ -23,13 +24,18 @@ PID_FILE = os.environ.get("TEST_HOLD_PID_FILE", "")
 
 def record(ctx: HandlerContext, event: ReceivedEvent) -> None:
     ctx.session.execute(
-        text("INSERT INTO tally (event_id, ordering_key, seq) VALUES (:e, :k, :s)"),
-        {"e": str(event.id), "k": event.ordering_key, "s": event.seq},
+        text("INSERT INTO tally (consumer, event_id, ordering_key, seq) VALUES (:c, :e, :k, :s)"),
+        {"c": ctx.consumer, "e": str(event.id), "k": event.ordering_key, "s": event.seq},
     )
 
 
 @consumer("tally", ["order.placed"], ordered=True, max_retries=20, max_backoff=0.2)
 def tally(event: ReceivedEvent, ctx: HandlerContext) -> None:
+    record(ctx, event)
+
+
+@consumer("counter", ["item.added"], max_retries=20, max_backoff=0.2)
+def counter(event: ReceivedEvent, ctx: HandlerContext) -> None:
     record(ctx, event)
 
 

@@ -19,7 +19,7 @@ from pipeline.tools.cli.options import (
 
 FAULT_KINDS_HELP = (
     "Comma-separated fault kinds to inject (default: every kind this run may do): "
-    "relay-kill, relay-pause, worker-kill, listen-terminate, worker-terminate, "
+    "relay-kill, relay-pause, worker-kill, listen-terminate, worker-terminate, worker-pause, "
     "postgres-restart-fast, postgres-restart-immediate, redis-restart-always, "
     "redis-restart-everysec, redis-restart-volatile, redis-down, proxy-drop, proxy-stall, "
     "clock-skew; with --hosts also partition-worker-broker, partition-worker-postgres, "

@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 
+from pipeline.config import Settings
 from pipeline.tools.drill.members import Kind, Member, Members
 from pipeline.tools.drill.network import (
     NETWORK_DESCRIPTIONS,
@@ -33,6 +34,7 @@ KINDS = (
     "worker-kill",
     "listen-terminate",
     "worker-terminate",
+    "worker-pause",
     "postgres-restart-fast",
     "postgres-restart-immediate",
     "redis-restart-always",
@@ -52,6 +54,8 @@ DESCRIPTIONS = {
     "worker-kill": "SIGKILL of a worker's process group, restarted after 0.5-3 s",
     "listen-terminate": "pg_terminate_backend of relays' LISTEN connections",
     "worker-terminate": "pg_terminate_backend of every database connection of workers",
+    "worker-pause": "SIGSTOP of a worker's process group for 2-6 s longer than the broker "
+    "heartbeat timeout, then SIGCONT",
     "postgres-restart-fast": "Postgres stopped with -m fast and started again",
     "postgres-restart-immediate": "Postgres stopped with -m immediate (crash) and started again",
     "redis-restart-always": "Redis SIGKILLed and restarted, AOF with appendfsync always",
@@ -88,6 +92,15 @@ SENTINEL_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in REDIS_ALON
 """What a drill on a Redis watched by Sentinel may inject."""
 FIND_CONNECTIONS_SECONDS = 5.0
 DEFAULT_LEASE_SECONDS = 30.0  # PIPELINE_LEASE_SECONDS when the processes' environment has none
+
+
+def heartbeat_seconds(env: dict[str, str]) -> float:
+    """The workers' broker heartbeat timeout, from their environment (else the default)."""
+    value = env.get("PIPELINE_BROKER_HEARTBEAT_TIMEOUT_MS")
+    if value is None:
+        default = Settings.model_fields["broker_heartbeat_timeout_ms"].default
+        return float(default) / 1000
+    return float(value) / 1000
 
 
 @dataclass
@@ -136,6 +149,8 @@ def schedule(
             fault.seconds = rng.uniform(1.0, 3.0)  # beyond the lease
         elif kind in ("redis-down", "sentinel-kill-master"):
             fault.seconds = rng.uniform(2.0, 6.0)
+        elif kind == "worker-pause":
+            fault.seconds = rng.uniform(2.0, 6.0)  # beyond the heartbeat timeout
         elif kind == "redis-restart-everysec":
             fault.seconds = rng.uniform(0.5, 2.0)  # traffic under everysec before the crash
         elif kind == "proxy-stall":
@@ -201,6 +216,8 @@ class Injector:
             return self._terminate(fault, "relay", "listen_backends")
         if kind == "worker-terminate":
             return self._terminate(fault, "worker", "app_backends")
+        if kind == "worker-pause":
+            return self._pause_worker(fault)
         if kind.startswith("postgres-restart-"):
             mode = kind.removeprefix("postgres-restart-")
             down = self.postgres.restart(mode)
@@ -263,6 +280,21 @@ class Injector:
         finally:
             child.resume()
         return f"{member.name} stopped {pause:.1f} s (lease {lease:g} s), then continued"
+
+    def _pause_worker(self, fault: Fault) -> str:
+        """SIGSTOP a worker's process group (a frozen host, a stuck VM) past the heartbeat
+        timeout, so its unacknowledged messages go to the other workers, then SIGCONT:
+        it comes back to transactions and messages that others may have taken over."""
+        member = self.rng.choice(self.members.of("worker"))
+        fault.target = member.name
+        paused = heartbeat_seconds(self.members.env) + fault.seconds
+        if not self.members.pause(member):
+            return f"{member.name} is not running"
+        try:
+            self.wait(paused)
+        finally:
+            self.members.resume(member)
+        return f"{member.name} stopped {paused:.1f} s, then continued"
 
     def _terminate(self, fault: Fault, kind: Kind, query: str) -> str:
         members: list[Member] = self.members.of(kind)

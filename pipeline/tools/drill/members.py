@@ -12,6 +12,7 @@ nothing of a killed process is overwritten.
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -121,6 +122,18 @@ class Members:
         member.expected_exit = True
         if member.child is not None:
             member.child.kill()
+
+    def pause(self, member: Member) -> bool:
+        """SIGSTOP the member's process group; False if it is not running."""
+        if member.child is None or not member.child.running():
+            return False
+        member.child.signal_group(signal.SIGSTOP)
+        return True
+
+    def resume(self, member: Member) -> None:
+        """SIGCONT the member's process group."""
+        if member.child is not None:
+            member.child.signal_group(signal.SIGCONT)
 
     def ready(self, member: Member) -> bool:
         """A relay is ready once it runs, a worker once every Dramatiq process says so."""

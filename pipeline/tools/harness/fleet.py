@@ -93,6 +93,11 @@ class Child:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.process.pid, signal.SIGTERM)
 
+    def signal_group(self, sig: int) -> None:
+        """Send ``sig`` to the child's process group (its session: all its children)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+
     def kill(self) -> None:
         """SIGKILL the child's process group (its session: all its children) and reap it."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
