@@ -40,6 +40,7 @@ def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settin
         chaos_settings, APP, tmp_path / "worker.log", 2, 4, TEST_HANDLER_SLEEP="0.01"
     )
     killed: list[int] = []
+    last_kill = [0.0]
 
     def kill_connections() -> None:
         deadline = time.monotonic() + 60
@@ -56,6 +57,7 @@ def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settin
                 conn.commit()
             if victims:
                 killed.append(int(victims))
+                last_kill[0] = time.monotonic()
 
     killer = threading.Thread(target=kill_connections)
     try:
@@ -68,16 +70,19 @@ def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settin
             progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
             alive=[relay, workers],
         )
+        recovered = time.monotonic() - last_kill[0]
         time.sleep(1.0)  # any late duplicate would show now
     finally:
         stop_process(workers)
         stop_process(relay)
+    print(f"\nevery order through every stage {recovered:.1f} s after the last kill")
     assert len(killed) == 5, f"connections killed inside handlers only {len(killed)} times"
     assert_each_stage_once(engine, orders)
     log = (tmp_path / "worker.log").read_text()
-    assert "message failed outside its handlers; it will be retried" in log
-    assert "Failed to process message pipeline_inbox_" in log  # Dramatiq's own line...
-    assert "kill-" not in log  # ...without the messages' payloads (the order ids)
+    failures = [line for line in log.splitlines() if "failed outside its handlers" in line]
+    assert failures and all("message_id=" in line for line in failures)
+    assert "Traceback" not in log  # an expected outage: one line each, no traceback
+    assert "kill-" not in log  # no message payloads (the order ids)
 
 
 def test_connections_killed_while_relay_and_workers_start_are_waited_out(
