@@ -37,7 +37,13 @@ def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settin
     place_orders(engine, orders)  # first: the killer must not hit the test's own connections
     relay = start_relay(chaos_settings, APP, tmp_path / "relay.log")
     workers = start_worker(
-        chaos_settings, APP, tmp_path / "worker.log", 2, 4, TEST_HANDLER_SLEEP="0.01"
+        chaos_settings,
+        APP,
+        tmp_path / "worker.log",
+        2,
+        4,
+        TEST_HANDLER_SLEEP="0.01",
+        PGAPPNAME="test-worker",  # the killer picks the workers' connections by this name
     )
     killed: list[int] = []
     last_kill = [0.0]
@@ -51,7 +57,7 @@ def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settin
                     text(
                         "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                         "WHERE datname = current_database() AND pid <> pg_backend_pid() "
-                        "AND state = 'idle in transaction'"
+                        "AND state = 'idle in transaction' AND application_name = 'test-worker'"
                     )
                 ).scalar()
                 conn.commit()
