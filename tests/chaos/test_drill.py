@@ -59,21 +59,23 @@ def assert_orders_flowed_through_every_fault(report: dict[str, Any]) -> None:
 
 @pytest.mark.timeout(900)
 def test_shortened_drill_with_every_fault_kind_keeps_every_guarantee():
-    # Few orders, but a production window (450 / 15 per s = 30 s) longer than the faults
-    # take one after another (about 23 s, a relay pause past the 5 s lease included), so
-    # orders flow through every one. The seed puts the clock-skew stretch (which holds the
-    # count the faults wait on, and whose shifted clock here runs behind) after the others.
+    # Few orders, but a production window (900 / 15 per s = 60 s) longer than the faults
+    # take one after another (about 45 s: a relay pause past the 5 s lease and a worker
+    # pause past a 5 s heartbeat timeout included), so orders flow through every one. The
+    # seed puts the clock-skew stretch (which holds the count the faults wait on, and whose
+    # shifted clock here runs behind) after the others.
     result, report = drill(
-        "--events", "450", "--faults", str(len(ONE_HOST_KINDS)), "--rate", "15",
-        "--seed", "68", "--recovery-timeout", "90",
+        "--events", "900", "--faults", str(len(ONE_HOST_KINDS)), "--rate", "15",
+        "--seed", "2340", "--recovery-timeout", "90",
+        PIPELINE_BROKER_HEARTBEAT_TIMEOUT_MS="5000",
     )  # fmt: skip
 
     assert_every_kind_injected(report, ONE_HOST_KINDS)
     assert_orders_flowed_through_every_fault(report)
-    assert report["events"]["orders"] == 450 and report["events"]["poison"] == 3
+    assert report["events"]["orders"] == 900 and report["events"]["poison"] == 3
     assert report["violations"] == [], render_text(report)
-    assert report["api"]["charges"]["total"] == 450
-    assert report["api"]["emails"]["total"] == 450
+    assert report["api"]["charges"]["total"] == 900
+    assert report["api"]["emails"]["total"] == 900
     assert report["dead_letters"] == {"expected": 6, "found": 6, "unexpected": 0}
     assert report["events"]["ids_out_of_sequence_order"]["events"] > 0  # the skew took hold
     assert result.returncode == 0
