@@ -22,8 +22,11 @@ from pipeline.tools.drill.report import render_text
 pytestmark = pytest.mark.chaos
 
 
-def drill(*args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess[str], Any]:
+def drill(
+    *args: str, timeout: float = 900, **settings: str
+) -> tuple[subprocess.CompletedProcess[str], Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
+    env.update(settings)
     result = subprocess.run(
         [sys.executable, "-m", "pipeline.tools.cli", "drill", "--json", *args],
         capture_output=True,

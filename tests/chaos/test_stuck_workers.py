@@ -227,6 +227,7 @@ def test_a_frozen_worker_group_stops_no_producer_and_no_other_worker(
             committed_in_pause = producers.committed() - committed_at_pause
             tallied_in_pause = tallied(engine) - tallied_at_pause
             during = producers.rate(pause_start, pause_end)
+            last_seq = scalar(engine, "SELECT max(seq) FROM pipeline.outbox")
             hot_in_pause = producers.hot_commits(pause_start, pause_end)
             os.killpg(group, signal.SIGCONT)
             stopped.clear()
@@ -260,6 +261,10 @@ def test_a_frozen_worker_group_stops_no_producer_and_no_other_worker(
         stop_process(relay)
     assert_each_once_in_key_order(engine, producers.ids)
     assert tallied(engine) == expected
+    # the frozen handler's follow-up was inserted when its transaction committed, after
+    # SIGCONT: behind every event the producers committed during the pause
+    follow_up = scalar(engine, "SELECT seq FROM pipeline.outbox WHERE event_type = 'order.noted'")
+    assert follow_up > last_seq
     assert scalar(engine, "SELECT count(*) FROM tally WHERE ordering_key = :k", k=HOT_KEY) > 0
 
 
