@@ -46,6 +46,8 @@ def holder(event: ReceivedEvent, ctx: HandlerContext) -> None:
     if PID_FILE:
         with open(PID_FILE, "w") as handle:
             handle.write(str(os.getpid()))
+    # waits as long as the test holds the lock (the workers' lock_timeout would end it)
+    ctx.session.execute(text("SET LOCAL lock_timeout = 0"))
     ctx.session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": HOLD_LOCK})
 
 
