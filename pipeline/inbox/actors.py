@@ -3,7 +3,8 @@
 * one actor per consumer, on the consumer's own queue, running :class:`InboxProcessor`;
 * a middleware that dead-letters (in Postgres, with the reason) messages naming an
   actor nobody registered, and messages that ran out of infrastructure retries;
-* a sink that dead-letters undecodable bytes found on a queue.
+* a sink that dead-letters undecodable bytes found on a queue, and one that counts message
+  ids found without a body (leftover duplicates, and deliveries whose body Redis lost).
 
 Handler exceptions never reach Dramatiq (the processor retries them with its own
 bookkeeping); what does reach it is an infrastructure failure (database or broker
@@ -254,6 +255,24 @@ def inbox_function(processor: InboxProcessor) -> Callable[..., None]:
     return run
 
 
+def count_missing_bodies(queue: str, duplicates: int, lost: int) -> None:
+    """Message ids fetched without a body: counted and dropped, never dead-lettered.
+
+    A duplicate's message already finished; a lost delivery is sent again by the relay's
+    delivery ledger once its redelivery horizon passes.
+    """
+    if duplicates:
+        metrics.inbox_duplicates_dropped.labels(queue).inc(duplicates)
+    if lost:
+        metrics.deliveries_lost.labels(queue).inc(lost)
+    log.log(
+        logging.WARNING if lost else logging.INFO,
+        "dropped message ids without a body"
+        + (f"; {lost} lost, the relay's ledger sends them again" if lost else ""),
+        extra={"queue": queue, "duplicates": duplicates, "lost": lost},
+    )
+
+
 def declare_inbox_actors(
     transport: Transport, settings: Settings, consumers: Registry, engine: ProcessEngine
 ) -> dict[str, dramatiq.Actor[Any, Any]]:
@@ -266,6 +285,7 @@ def declare_inbox_actors(
     transport.on_undecodable(
         lambda queue, data, reason: record_unreadable(settings, engine(), queue, reason, raw=data)
     )
+    transport.on_missing_body(count_missing_bodies)
     actors: dict[str, dramatiq.Actor[Any, Any]] = {}
     for subscription, definition in definitions(consumers):
         actor_ref: list[dramatiq.Actor[Any, Any]] = []

@@ -186,6 +186,18 @@ inbox_retries = Counter(
     "Failed handler attempts scheduled for another try.",
     ["consumer", "event_type"],
 )
+inbox_duplicates_dropped = Counter(
+    "pipeline_inbox_duplicates_dropped_total",
+    "Message ids a worker fetched after their message was already acknowledged (a leftover "
+    "duplicate on the queue), dropped without running anything.",
+    ["queue"],
+)
+deliveries_lost = Counter(
+    "pipeline_deliveries_lost_total",
+    "Message ids a worker fetched whose body was gone before any consumer ran it (evicted "
+    "by Redis); dropped, the relay's delivery ledger sends the delivery again.",
+    ["queue"],
+)
 handler_duration = Histogram(
     "pipeline_handler_duration_seconds",
     "Time spent in a handler attempt, successful or not.",

@@ -25,6 +25,12 @@ from pipeline.transport.publisher import Publisher
 UndecodableSink = Callable[[str, bytes, str], None]
 """Called with (queue name, raw message bytes, reason) for a message nobody can decode."""
 
+MissingBodySink = Callable[[str, int, int], None]
+"""Called with (queue name, absorbed duplicates, lost deliveries) when a consumer fetched
+message ids whose bodies are gone: ids of messages already acknowledged (a duplicate left
+on the queue, dropped) and ids whose body vanished before any consumer ran it (a lost
+delivery: the relay's delivery ledger sends it again)."""
+
 
 @dataclass
 class QueueDepth:
@@ -142,6 +148,11 @@ class Transport(ABC):
     def on_undecodable(self, sink: UndecodableSink) -> None:
         """Hand ``sink`` the raw bytes of every message a consumer cannot decode; the
         transport removes them after the sink returns (a consume-stage dead letter)."""
+
+    @abstractmethod
+    def on_missing_body(self, sink: MissingBodySink) -> None:
+        """Tell ``sink`` about message ids found without a body (:data:`MissingBodySink`);
+        the transport drops them after the sink returns (they carry nothing to run)."""
 
     @abstractmethod
     def queue_depths(self, queues: Iterable[str]) -> dict[str, QueueDepth]:

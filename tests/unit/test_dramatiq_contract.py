@@ -195,6 +195,16 @@ def test_dramatiqs_own_enqueue_writes_what_the_publisher_writes():
     assert f'message.options["{REDIS_MESSAGE_ID}"]' in inspect.getsource(_RedisConsumer.ack)
 
 
+def test_ack_and_nack_do_what_the_consumer_s_own_versions_do():
+    """WakeableRedisConsumer acks and nacks with the dispatch script in its own pipeline
+    (recording the id as finished first): Dramatiq's versions must still be just that."""
+    for method, command in ((_RedisConsumer.ack, "ack"), (_RedisConsumer.nack, "nack")):
+        source = inspect.getsource(method)
+        assert f"self.broker.do_{command}(self.queue_name, message.options[" in source
+        assert "self.queued_message_ids.discard(message.message_id)" in source
+    statement(r'command == "nack" then\n\s+local message_id = ARGS\[1\]')
+
+
 def outbox_event(payload_json: str, seq: int = 1) -> OutboxEvent:
     return OutboxEvent(
         id=uuid.uuid4(),

@@ -15,9 +15,17 @@ maintenance carry no wake-up) and keeps the heartbeat fresh. One wake-up wakes o
 consumer; one whose fetch came back full passes a wake-up on, so others join in on a
 backlog.
 
-Undecodable messages, and bare values pushed on a queue by something other than a
-Dramatiq client, are handed to :attr:`PipelineRedisBroker.undecodable_sink` and
-removed, instead of being stuck in the consumer's un-acked set. While Redis is down a
+A fetched id whose body is gone is told apart before anything is dead-lettered. Each
+acknowledgement (and rejection) first records its id in a bounded sorted set of the
+queue's finished ids, so a leftover id of a finished message (Dramatiq's maintenance
+requeued a slow consumer's un-acked ids, or a replay pushed it again) is an absorbed
+duplicate, counted and dropped. An id shaped like Dramatiq's (a UUID) that is not
+among them had its body removed before it ran (Redis evicted it under ``allkeys-lru``):
+a lost delivery, counted and dropped, which the relay's delivery ledger sends again.
+Both go to :attr:`PipelineRedisBroker.missing_body_sink`. Only undecodable bodies, and
+bare values pushed on a queue by something other than a Dramatiq client, are handed to
+:attr:`PipelineRedisBroker.undecodable_sink` (a dead letter) and removed, instead of
+being stuck in the consumer's un-acked set. While Redis is down a
 worker process waits with growing pauses, logging one line per pause (:class:`RedisOutage`).
 """
 
@@ -27,6 +35,7 @@ import json
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -35,7 +44,7 @@ import redis
 from dramatiq.broker import MessageProxy
 from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
 from dramatiq.common import compute_backoff, current_millis
-from dramatiq.errors import DecodeError
+from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
 from dramatiq.middleware import (
     AgeLimit,
@@ -48,11 +57,12 @@ from dramatiq.middleware import (
 
 from pipeline.backoff import Backoff
 from pipeline.config import Settings
-from pipeline.transport.base import UndecodableSink
+from pipeline.transport.base import MissingBodySink, UndecodableSink
 from pipeline.transport.redis.client import redis_client
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
 from pipeline.transport.redis.keys import (
     acks_key,
+    done_key,
     heartbeats_key,
     messages_key,
     queue_key,
@@ -66,16 +76,30 @@ def _log_undecodable(queue_name: str, data: bytes, reason: str) -> None:
     log.error("dropped undecodable message", extra={"queue": queue_name, "reason": reason})
 
 
-# KEYS[1] a consumer's un-acked set, KEYS[2] the queue's message bodies. Removes and returns
-# the members that have no body: values pushed on the queue by something other than a
-# Dramatiq client. Atomic, so a message being acked (set member and body removed together)
-# is never mistaken for one.
+def _log_missing_bodies(queue_name: str, duplicates: int, lost: int) -> None:
+    log.warning(
+        "dropped message ids without a body",
+        extra={"queue": queue_name, "duplicates": duplicates, "lost": lost},
+    )
+
+
+DONE_IDS_KEPT = 50_000
+"""Finished message ids remembered per queue (about 5 MB of Redis at most): a leftover
+id older than that many acknowledgements counts as lost, not as a duplicate, which costs
+one needless look by the delivery ledger, never a second run."""
+
+# KEYS[1] a consumer's un-acked set, KEYS[2] the queue's message bodies, KEYS[3] the queue's
+# finished ids. Removes the members that have no body and returns them, each followed by 1
+# if it is a finished message's id (a duplicate) and 0 if not. Atomic, so a message being
+# acked (set member and body removed together) is never mistaken for one; an ack records
+# its id as finished before it removes the body.
 _TAKE_BARE_VALUES = """
 local bare = {}
 for _, id in ipairs(redis.call('smembers', KEYS[1])) do
     if redis.call('hexists', KEYS[2], id) == 0 then
         redis.call('srem', KEYS[1], id)
         table.insert(bare, id)
+        table.insert(bare, redis.call('zscore', KEYS[3], id) and 1 or 0)
     end
 end
 return bare
@@ -84,6 +108,17 @@ UNACKNOWLEDGEABLE_REASON = (
     f"a message without the {REDIS_MESSAGE_ID!r} option Dramatiq acknowledges it by "
     "(not enqueued by a Dramatiq client)"
 )
+
+
+def is_message_id(value: bytes) -> bool:
+    """Whether ``value`` is shaped like the ids Dramatiq clients give messages (a UUID)."""
+    try:
+        text = value.decode("ascii")
+        return str(uuid.UUID(text)) == text
+    except (UnicodeDecodeError, ValueError):
+        return False
+
+
 BARE_VALUE_REASON = (
     "a bare value on the queue, not a Dramatiq message (nothing was enqueued under it)"
 )
@@ -196,7 +231,7 @@ class WakeableRedisConsumer(_RedisConsumer):
         else:
             messages = self.broker.do_fetch(self.queue_name, wanted)
         if any(data is None for data in messages):  # Dramatiq found no body for an id
-            self._dead_letter_bare_values()
+            self._sort_out_bare_values()
             messages = [data for data in messages if data is not None]
         self.message_cache = messages
         # A full fetch, or one Dramatiq's script cut at its unpack limit, may have left a
@@ -206,6 +241,37 @@ class WakeableRedisConsumer(_RedisConsumer):
             self.broker.wake(self.queue_name)
         return bool(messages)
 
+    def ack(self, message: Any) -> None:
+        self._finish("ack", message)
+
+    def nack(self, message: Any) -> None:
+        self._finish("nack", message)
+
+    def _finish(self, command: str, message: Any) -> None:
+        """Dramatiq's ack or nack, after recording the id among the queue's finished ones.
+
+        One round trip: the record (and the trim of the set to :data:`DONE_IDS_KEPT`) and
+        Dramatiq's dispatch script travel in one pipeline, the record first, so an id
+        is known finished before its body goes.
+        """
+        broker = self.broker
+        redis_id = message.options["redis_message_id"]
+        key = done_key(broker.namespace, self.queue_name)
+        try:
+            pipe = broker.client.pipeline(transaction=False)
+            pipe.zadd(key, {redis_id: current_millis()})
+            pipe.zremrangebyrank(key, 0, -DONE_IDS_KEPT - 1)
+            broker.push_dispatch(pipe, command, self.queue_name, redis_id)
+            results = pipe.execute(raise_on_error=False)
+            if isinstance(results[-1], redis.exceptions.NoScriptError):
+                getattr(broker, f"do_{command}")(self.queue_name, redis_id)  # loads the script
+            elif isinstance(results[-1], Exception):
+                raise results[-1]
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        finally:
+            self.queued_message_ids.discard(message.message_id)
+
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Dramatiq's requeue (a stopping worker's unprocessed messages), then a wake-up."""
         messages = list(messages)
@@ -213,28 +279,44 @@ class WakeableRedisConsumer(_RedisConsumer):
             super().requeue(messages)  # type: ignore[no-untyped-call]
             self.broker.wake(self.queue_name)
 
-    def _dead_letter_bare_values(self) -> None:
-        """Take values without a message body out of the un-acked set and dead-letter them.
+    def _sort_out_bare_values(self) -> None:
+        """Take ids without a message body out of the un-acked set and sort them out.
 
-        Something pushed a bare value (not a Dramatiq message) on the queue; the fetch
-        moved it to this worker's un-acked set, where it would sit until the worker dies
-        and then come back. Its raw value goes to the sink (a consume-stage dead letter;
-        the sink logs one line, without the value). If the sink fails, the value goes back
-        to the un-acked set (requeued when this worker stops) rather than being lost.
+        A finished message's id is a duplicate and an unfinished UUID a lost delivery:
+        both are counted by the broker's ``missing_body_sink`` and dropped (the ledger
+        sends a lost delivery again). Anything else is a bare value something pushed on
+        the queue (not a Dramatiq message): its raw value goes to the undecodable sink
+        (a consume-stage dead letter; the sink logs one line, without the value). If the
+        sink fails, the value goes back to the un-acked set (requeued when this worker
+        stops) rather than being lost.
         """
         broker = self.broker
         acks = acks_key(broker.namespace, broker.broker_id, self.queue_name)
         bodies = messages_key(broker.namespace, self.queue_name)
-        for value in broker.take_bare_values(keys=[acks, bodies]):
-            try:
-                broker.undecodable_sink(self.queue_name, value, BARE_VALUE_REASON)
-            except Exception as exc:
-                broker.client.sadd(acks, value)
-                log.error(
-                    "could not dead-letter a value that is not a Dramatiq message; "
-                    "it returns to the queue when this worker stops",
-                    extra={"queue": self.queue_name, "error_class": type(exc).__name__},
-                )
+        done = done_key(broker.namespace, self.queue_name)
+        found = broker.take_bare_values(keys=[acks, bodies, done])
+        duplicates = lost = 0
+        for value, finished in zip(found[::2], found[1::2], strict=True):
+            if int(finished):
+                duplicates += 1
+            elif is_message_id(value):
+                lost += 1
+            else:
+                self._dead_letter_bare_value(acks, value)
+        if duplicates or lost:
+            broker.missing_body_sink(self.queue_name, duplicates, lost)
+
+    def _dead_letter_bare_value(self, acks: str, value: bytes) -> None:
+        broker = self.broker
+        try:
+            broker.undecodable_sink(self.queue_name, value, BARE_VALUE_REASON)
+        except Exception as exc:
+            broker.client.sadd(acks, value)
+            log.error(
+                "could not dead-letter a value that is not a Dramatiq message; "
+                "it returns to the queue when this worker stops",
+                extra={"queue": self.queue_name, "error_class": type(exc).__name__},
+            )
 
     def _discard_undecodable(self, data: bytes, reason: str) -> None:
         """Hand the raw bytes to the sink, then remove them from Redis (they can never run).
@@ -261,6 +343,7 @@ class WakeableRedisConsumer(_RedisConsumer):
 
 class PipelineRedisBroker(RedisBroker):
     undecodable_sink: UndecodableSink = staticmethod(_log_undecodable)
+    missing_body_sink: MissingBodySink = staticmethod(_log_missing_bodies)
 
     def __init__(self, *args: Any, outage_backoff_max: float = 10.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]

@@ -58,6 +58,13 @@ def memory_key(namespace: str) -> str:
     return f"{namespace}:pipeline-memory"
 
 
+def done_key(namespace: str, queue_name: str) -> str:
+    """The pipeline's sorted set of a queue's recently acknowledged (or rejected) message
+    ids, scored by when: an id found on the queue without a body is one of these when it
+    is a leftover duplicate, not a lost message."""
+    return f"{namespace}:pipeline-done:{queue_name}"
+
+
 def queue_of_messages_key(namespace: str, key: str) -> str | None:
     """The queue whose messages a ``<ns>:<name>.msgs`` key holds, or None for Dramatiq's
     own bookkeeping keys (``__acks__``, ``__heartbeats__``) and foreign keys.

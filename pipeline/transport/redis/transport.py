@@ -14,6 +14,7 @@ from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
 from pipeline.signing import EnvelopeSigner
 from pipeline.transport.base import (
     BrokerDiagnosis,
+    MissingBodySink,
     QueueDepth,
     Slots,
     Transport,
@@ -102,6 +103,9 @@ class RedisTransport(Transport):
 
     def on_undecodable(self, sink: UndecodableSink) -> None:
         self.broker.undecodable_sink = sink
+
+    def on_missing_body(self, sink: MissingBodySink) -> None:
+        self.broker.missing_body_sink = sink
 
     def queue_depths(self, queues: Iterable[str]) -> dict[str, QueueDepth]:
         names = sorted(set(queues))
