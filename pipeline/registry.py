@@ -188,6 +188,10 @@ class Registry:
         with self._lock:
             return [s for _, s in sorted(self._subscriptions.items())]
 
+    def event_types(self) -> list[str]:
+        """The event types some consumer subscribes to by name (``"*"`` left out), sorted."""
+        return sorted({t for s in self.all() for t in s.event_types if t != WILDCARD})
+
     def policies(self, settings: Settings) -> list[ConsumerPolicy]:
         """Every subscribed consumer's policy (what the retention rule is judged on)."""
         return [s.policy(settings) for s in self.all()]

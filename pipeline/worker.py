@@ -12,6 +12,7 @@ from dramatiq.middleware import Middleware
 
 from pipeline.config import get_settings
 from pipeline.observability.logging import configure_logging
+from pipeline.observability.metrics import zero_initialise_inbox, zero_initialise_publishing
 from pipeline.observability.tracing import configure_tracing, shutdown_tracing
 from pipeline.runtime import build_runtime
 
@@ -30,6 +31,9 @@ class FlushTraces(Middleware):
 
 settings = get_settings()
 runtime = build_runtime(settings)
+_served = [s for s in runtime.registry.all() if s.handler is not None]
+zero_initialise_inbox([s.consumer for s in _served], [s.queue for s in _served])
+zero_initialise_publishing(runtime.registry.event_types())
 broker = runtime.broker
 configure_tracing(settings, "pipeline-worker")
 broker.add_middleware(FlushTraces())

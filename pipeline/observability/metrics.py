@@ -280,6 +280,36 @@ def zero_initialise_consumers(consumers: Iterable[str]) -> None:
             redelivery_reasons.labels(consumer, reason)
 
 
+PUBLISH_ERROR_CLASSES = ("PublisherUnavailable", "PermanentPublishError")
+"""What a failed delivery attempt is counted as: the broker down (or refusing writes), or a
+message it can never take. Other classes still count; these exist at 0 from the start."""
+INFRASTRUCTURE_ERROR_CLASSES = ("OperationalError", "InterfaceError", "ConnectionError")
+"""The usual failures of a message outside its handlers: Postgres (SQLAlchemy's wrapper
+classes) or Redis gone. Other classes still count; these exist at 0 from the start."""
+
+
+def zero_initialise_publishing(event_types: Iterable[str]) -> None:
+    """A publishing process's labelled counters at 0 for the event types it knows.
+
+    ``event_types``: the types its consumers subscribe to, and any it found waiting to be
+    published; their failure and unrouted series then exist before the first failure.
+    """
+    for event_type in event_types:
+        events_unrouted.labels(event_type)
+        for error_class in PUBLISH_ERROR_CLASSES:
+            publish_failures.labels(event_type, error_class)
+
+
+def zero_initialise_inbox(consumers: Iterable[str], queues: Iterable[str]) -> None:
+    """A worker's labelled inbox counters at 0 for its consumers and their queues."""
+    for consumer in consumers:
+        for error_class in INFRASTRUCTURE_ERROR_CLASSES:
+            inbox_infrastructure_retries.labels(consumer, error_class)
+    for queue in queues:
+        inbox_duplicates_dropped.labels(queue)
+        deliveries_lost.labels(queue)
+
+
 # -- exposition ------------------------------------------------------------------------------
 
 

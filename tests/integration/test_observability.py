@@ -30,6 +30,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from pipeline import NewEvent, Settings, configure
 from pipeline.envelope import decode_envelope
 from pipeline.observability import metrics, tracing
+from pipeline.registry import CANARY_CONSUMER, CANARY_EVENT_TYPE
 from pipeline.relay.state import StateCollector
 from pipeline.transport.publisher import Delivery, PermanentPublishError
 from tests.integration.conftest import drainer_for
@@ -679,6 +680,17 @@ def has_samples(text: str, name: str) -> bool:
     )
 
 
+def series(text: str, name: str, **labels: str) -> float | None:
+    """The value of the sample ``name`` with exactly ``labels`` in an exposition, or None."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return None
+
+
 def promtool_check(text: str) -> None:
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -734,6 +746,17 @@ def test_relay_metrics_endpoint_passes_promtool_and_matches_the_docs(settings, t
         assert f'pipeline_queue_depth{{queue="{queue}"}} 0.0' in text
         assert f'pipeline_dead_letter_queue_depth{{queue="{queue}"}} 0.0' in text
     assert 'pipeline_state_up{source="postgres"} 1.0' in text
+    # Labelled counters exist at 0 for their known label sets before any failure.
+    for event_type in ("order.placed", "order.paid", CANARY_EVENT_TYPE):
+        for error_class in ("PublisherUnavailable", "PermanentPublishError"):
+            failures = series(
+                text,
+                "pipeline_publish_failures_total",
+                event_type=event_type,
+                error_class=error_class,
+            )
+            assert failures == 0.0, (event_type, error_class)
+        assert series(text, "pipeline_events_unrouted_total", event_type=event_type) == 0.0
 
 
 def test_worker_metrics_aggregate_dramatiq_processes(engine, settings, tmp_path):
@@ -789,6 +812,24 @@ def test_worker_metrics_aggregate_dramatiq_processes(engine, settings, tmp_path)
     assert not multiproc_dir.exists(), "the temporary multiprocess directory is removed"
     promtool_check(text)
     check_against_docs(text, "worker")
+    canary_queue = f"pipeline.{CANARY_CONSUMER}"
+    for error_class in ("OperationalError", "InterfaceError", "ConnectionError"):
+        retries = series(
+            text,
+            "pipeline_inbox_infrastructure_retries_total",
+            consumer=CANARY_CONSUMER,
+            error_class=error_class,
+        )
+        assert retries == 0.0, error_class
+    assert series(text, "pipeline_inbox_duplicates_dropped_total", queue=canary_queue) == 0.0
+    assert series(text, "pipeline_deliveries_lost_total", queue=canary_queue) == 0.0
+    failures = series(
+        text,
+        "pipeline_publish_failures_total",
+        event_type="order.paid",
+        error_class="PublisherUnavailable",
+    )
+    assert failures == 0.0
 
 
 def child_pids(pid: int) -> list[int]:

@@ -108,7 +108,11 @@ def _relay_metrics(
     """Start the relay's /metrics endpoint; a port in use disables it (delivery matters more)."""
     import logging
 
-    from pipeline.observability.metrics import start_metrics_server, zero_initialise_consumers
+    from pipeline.observability.metrics import (
+        start_metrics_server,
+        zero_initialise_consumers,
+        zero_initialise_publishing,
+    )
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
     from pipeline.relay.state import StateCollector
     from pipeline.relay.table_sizes import TableSizeCollector
@@ -125,6 +129,7 @@ def _relay_metrics(
         else []
     )
     zero_initialise_consumers(consumers())
+    zero_initialise_publishing(runtime.registry.event_types())
     try:
         return start_metrics_server(settings, "relay", port=port, collectors=collectors)
     except OSError as exc:
