@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -358,13 +358,21 @@ class MetricsServer:
     registry: CollectorRegistry
     _server: WSGIServer
     _collectors: list[Collector] = field(default_factory=list)
+    _closers: list[Callable[[], None]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}/metrics"
 
+    def add_closer(self, close: Callable[[], None]) -> None:
+        """Call ``close`` first when the endpoint closes (e.g. stop a collectors' refresher)."""
+        self._closers.append(close)
+
     def close(self) -> None:
+        for closer in self._closers:
+            closer()
+        self._closers.clear()
         self._server.shutdown()
         self._server.server_close()
         for collector in self._collectors:

@@ -10,8 +10,15 @@ status`` reads it once. The state is the same whichever process reads it, so one
 collector per deployment is enough: ``pipeline relay`` registers one (with several
 relays, aggregate with ``max``, not ``sum``).
 
+``pipeline relay`` refreshes it on a thread of its own (:mod:`.refresher`), so a scrape
+only serves the last values and never waits on Postgres or Redis; used alone (tests,
+scripts), a scrape refreshes it when its values are older than the interval.
+
 A source that cannot be read is reported by ``pipeline_state_up{source}`` = 0 and its
-gauges are left out of that scrape (never stale values that look healthy).
+gauges are left out of that scrape (never stale values that look healthy); so are values
+older than ``3 * interval + 15`` seconds, which a refresh stuck on a server that stopped
+answering leaves behind. ``pipeline_state_metrics_last_success_timestamp_seconds`` is the
+Unix time of the last refresh that read every source (0: none yet).
 """
 
 from __future__ import annotations
@@ -59,15 +66,19 @@ class StateCollector(Collector):
         self.queues = queues
         self.consumers = consumers
         self.interval = settings.state_metrics_interval if interval is None else interval
+        self.stale_after = 3 * self.interval + 15
         self.clock = clock
         self.refreshes = 0
-        self._lock = threading.Lock()
+        self._io = threading.RLock()  # one refresh at a time; owns the connections
+        self._lock = threading.Lock()  # the values served; never held across I/O
+        self._background = False
         self._refreshed_at: float | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self._transport: Transport | None = None
         self._database: DatabaseState | None = None
         self._queues: dict[str, QueueDepth] | None = None
         self._duration = 0.0
+        self._last_success = 0.0
 
     # -- prometheus_client protocol ------------------------------------------------------------
     def describe(self) -> Iterable[GaugeMetricFamily]:
@@ -75,38 +86,49 @@ class StateCollector(Collector):
         return list(self._families())
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
+        if not self._background:
+            with self._io:
+                now = self.clock()
+                if self._refreshed_at is None or now - self._refreshed_at >= self.interval:
+                    self.refresh()
         with self._lock:
-            now = self.clock()
-            if self._refreshed_at is None or now - self._refreshed_at >= self.interval:
-                self._refresh()
-                self._refreshed_at = self.clock()
             return list(self._families(filled=True))
 
     def close(self) -> None:
-        with self._lock:
+        if not self._io.acquire(timeout=5):  # a refresh is stuck on a server: leave it
+            return
+        try:
             self._close_database()
             if self._transport is not None:
                 self._transport.close()
                 self._transport = None
+        finally:
+            self._io.release()
 
     # -- refresh -------------------------------------------------------------------------------
-    def refresh(self) -> None:
-        """Read both sources now (tests and ``pipeline status``-like callers)."""
-        with self._lock:
-            self._refresh()
-            self._refreshed_at = self.clock()
+    def run_in_background(self) -> None:
+        """From now on only :meth:`refresh` (a :class:`~.refresher.StateRefresher`) reads the
+        sources; scrapes serve the values of the last refresh."""
+        self._background = True
 
-    def _refresh(self) -> None:
-        started = time.perf_counter()
-        self.refreshes += 1
-        self._database = self._read_database()
-        self._queues = self._read_queues()
-        self._duration = time.perf_counter() - started
+    def refresh(self) -> None:
+        """Read both sources now, then swap in the new values."""
+        with self._io:
+            started = time.perf_counter()
+            database = self._read_database()
+            queues = self._read_queues()
+            duration = time.perf_counter() - started
+            with self._lock:
+                self.refreshes += 1
+                self._database, self._queues, self._duration = database, queues, duration
+                self._refreshed_at = self.clock()
+                if database is not None and queues is not None:
+                    self._last_success = time.time()
 
     def _read_database(self) -> DatabaseState | None:
         try:
             if self._conn is None or self._conn.closed:
-                self._conn = connect(self.settings, autocommit=True)
+                self._conn = connect(self.settings, autocommit=True, connect_timeout=5)
                 self._conn.execute("SET statement_timeout = '5s'")
             return self.store.snapshot(self._conn, redelivery_horizon(self.settings))
         except (psycopg.Error, ServiceUnavailableError, MigrationError) as exc:
@@ -133,8 +155,14 @@ class StateCollector(Collector):
 
     # -- families ------------------------------------------------------------------------------
     def _families(self, filled: bool = False) -> Iterator[GaugeMetricFamily]:
-        database = self._database if filled else None
-        queues = self._queues if filled else None
+        refreshed = filled and self._refreshed_at is not None
+        fresh = refreshed and self.clock() - (self._refreshed_at or 0.0) <= self.stale_after
+        database = self._database if fresh else None
+        queues = self._queues if fresh else None
+        success = GaugeMetricFamily(
+            "pipeline_state_metrics_last_success_timestamp_seconds",
+            "Unix time of the last state refresh that read every source (0: none yet).",
+        )
         up = GaugeMetricFamily(
             "pipeline_state_up",
             "1 if the last state refresh could read the source (postgres; redis: the message "
@@ -181,6 +209,8 @@ class StateCollector(Collector):
             labels=["consumer"],
         )
         if filled:
+            success.add_metric([], self._last_success)
+        if refreshed:
             up.add_metric(["postgres"], 1.0 if database is not None else 0.0)
             up.add_metric(["redis"], 1.0 if queues is not None else 0.0)
             duration.add_metric([], self._duration)
@@ -198,7 +228,7 @@ class StateCollector(Collector):
                 depth.add_metric([name], value.ready)
                 depth.add_metric([delay_queue_name(name)], value.delayed)
                 dlq.add_metric([name], value.dead)
-        yield from (up, duration, backlog, oldest, dead, depth, dlq, owed, held)
+        yield from (up, success, duration, backlog, oldest, dead, depth, dlq, owed, held)
 
 
 def _name(exc: BaseException) -> str:

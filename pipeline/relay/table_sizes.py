@@ -2,7 +2,9 @@
 
 Read from the catalog (``pg_class.reltuples``, ``pg_total_relation_size``): no table is
 scanned, and the figures are cached for ``PIPELINE_STATE_METRICS_INTERVAL`` seconds
-however often they are scraped. The relay serves them with its state gauges.
+however often they are scraped. The relay serves them with its state gauges, refreshed on
+the same background thread (:mod:`.refresher`); figures older than ``3 * interval + 15``
+seconds (a refresh stuck on a server that stopped answering) are left out.
 """
 
 from __future__ import annotations
@@ -33,7 +35,10 @@ class TableSizeCollector(Collector):
         self.settings = settings
         self.store = StateStore(settings.schema_name)
         self.interval = settings.state_metrics_interval if interval is None else interval
-        self._lock = threading.Lock()
+        self.stale_after = 3 * self.interval + 15
+        self._io = threading.RLock()  # one read at a time; owns the connection
+        self._lock = threading.Lock()  # the figures served; never held across I/O
+        self._background = False
         self._conn: psycopg.Connection[Any] | None = None
         self._read_at: float | None = None
         self._sizes: list[TableSize] | None = None
@@ -42,21 +47,38 @@ class TableSizeCollector(Collector):
         return list(self._families(None))
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
+        if not self._background:
+            with self._io:
+                if self._read_at is None or time.monotonic() - self._read_at >= self.interval:
+                    self.refresh()
         with self._lock:
-            now = time.monotonic()
-            if self._read_at is None or now - self._read_at >= self.interval:
-                self._sizes = self._read()
-                self._read_at = time.monotonic()
-            return list(self._families(self._sizes))
+            fresh = (
+                self._read_at is not None and time.monotonic() - self._read_at <= self.stale_after
+            )
+            return list(self._families(self._sizes if fresh else None))
+
+    def run_in_background(self) -> None:
+        """From now on only :meth:`refresh` reads the catalog; scrapes serve its figures."""
+        self._background = True
+
+    def refresh(self) -> None:
+        with self._io:
+            sizes = self._read()
+            with self._lock:
+                self._sizes, self._read_at = sizes, time.monotonic()
 
     def close(self) -> None:
-        with self._lock:
+        if not self._io.acquire(timeout=5):  # a read is stuck on a server: leave it
+            return
+        try:
             self._close()
+        finally:
+            self._io.release()
 
     def _read(self) -> list[TableSize] | None:
         try:
             if self._conn is None or self._conn.closed:
-                self._conn = connect(self.settings, autocommit=True)
+                self._conn = connect(self.settings, autocommit=True, connect_timeout=5)
                 self._conn.execute("SET statement_timeout = '5s'")
             return self.store.table_sizes(self._conn, TABLES)
         except (psycopg.Error, ServiceUnavailableError) as exc:

@@ -114,6 +114,7 @@ def _relay_metrics(
         zero_initialise_publishing,
     )
     from pipeline.relay.actors import PUBLISH_QUEUE_NAME
+    from pipeline.relay.refresher import StateRefresher
     from pipeline.relay.state import StateCollector
     from pipeline.relay.table_sizes import TableSizeCollector
 
@@ -131,7 +132,12 @@ def _relay_metrics(
     zero_initialise_consumers(consumers())
     zero_initialise_publishing(runtime.registry.event_types())
     try:
-        return start_metrics_server(settings, "relay", port=port, collectors=collectors)
+        server = start_metrics_server(settings, "relay", port=port, collectors=collectors)
+        if server is not None and collectors:  # refreshed off the scrape path
+            refresher = StateRefresher(collectors, settings.state_metrics_interval)
+            refresher.start()
+            server.add_closer(refresher.close)
+        return server
     except OSError as exc:
         logging.getLogger("pipeline.relay").error(
             "metrics endpoint disabled: cannot listen",
