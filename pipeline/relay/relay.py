@@ -20,9 +20,12 @@ back full, also by up to ``publishers_in_flight`` Dramatiq publishing actors tha
 drain the backlog in the worker processes (``mode="auto"``). ``mode="workers"``
 only dispatches actors; ``mode="inline"`` never does.
 
-Between cycles the loop also commits the canary, runs the delivery ledger's sweep
-(``ledger.py``) and counts the backlog against its warning threshold (``backlog.py``);
-the janitor (``janitor.py``) prunes on a thread of its own.
+An idle relay refreshes its heartbeat in ``relay_state`` every
+``IDLE_HEARTBEAT_INTERVAL`` seconds (a busy one every second), so ``pipeline status``
+tells a live idle relay from a stale or gone one. Between cycles the loop also commits
+the canary, runs the delivery ledger's sweep (``ledger.py``) and counts the backlog
+against its warning threshold (``backlog.py``); the janitor (``janitor.py``) prunes on a
+thread of its own.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from pipeline.db.connect import (
 )
 from pipeline.db.migrate import notify_channel
 from pipeline.db.stores.outbox import OutboxStore
-from pipeline.db.stores.relays import RelayStore
+from pipeline.db.stores.relays import RELAY_HEARTBEAT_SECONDS, RelayStore
 from pipeline.errors import ServiceUnavailableError
 from pipeline.observability import metrics
 from pipeline.registry import Registry
@@ -63,7 +66,8 @@ from pipeline.transport.publisher import Publisher, PublisherUnavailable
 
 log = logging.getLogger("pipeline.relay")
 Mode = Literal["auto", "inline", "workers"]
-HEARTBEAT_INTERVAL = 1.0
+HEARTBEAT_INTERVAL = 1.0  # a busy relay's heartbeat (producers skip NOTIFY while it is fresh)
+IDLE_HEARTBEAT_INTERVAL = RELAY_HEARTBEAT_SECONDS  # an idle relay's: it is alive, with no work
 HANDOFF_LIMIT = 2.0
 FIRST_RETRY = 0.1
 # A statement that gave up waiting (``lock_timeout``, ``statement_timeout``): another
@@ -94,11 +98,15 @@ class Waker:
             self._cond.notify_all()
 
     def wait(self, timeout: float) -> str:
+        return self.wait_for(timeout) or "poll"
+
+    def wait_for(self, timeout: float) -> str | None:
+        """The source of the wake-up, or None if ``timeout`` passed without one."""
         with self._cond:
             if self._source is None:
                 self._cond.wait(timeout)
             source, self._source = self._source, None
-        return source or "poll"
+        return source
 
 
 class BusyRule:
@@ -271,7 +279,7 @@ class Relay:
         self._set_busy(conn, False, force=True)
         while not self.stop.is_set():
             timeout = self.settings.poll_interval_busy if self.busy else interval
-            source = self.waker.wait(timeout)
+            source = self._wait(conn, timeout)
             if self.stop.is_set():
                 break
             if self.settings.canary_interval and time.monotonic() >= self._next_canary:
@@ -289,6 +297,8 @@ class Relay:
                 self._set_busy(conn, True)  # also refreshes a busy relay's heartbeat
             elif self.busy:
                 self._hand_off(conn, drainer)
+            else:
+                self._heartbeat(conn)
             if found:
                 interval = self.settings.poll_interval_min
                 if backlog and self.mode != "inline" and self.dispatch is not None:
@@ -375,7 +385,27 @@ class Relay:
             if reconnected:  # the LISTEN connection came back: its catch-up is still due
                 self.waker("reconnect")
 
+    def _wait(self, conn: psycopg.Connection[Any], timeout: float) -> str:
+        """Wait up to ``timeout`` for a wake-up, refreshing the heartbeat while idle.
+
+        The wait is cut into slices of ``IDLE_HEARTBEAT_INTERVAL``: a live relay that
+        has nothing to do still says so every few seconds, so a stale heartbeat means a
+        relay that stopped (or cannot reach Postgres), never an idle one.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            source = self.waker.wait_for(max(0.0, min(remaining, IDLE_HEARTBEAT_INTERVAL)))
+            if source is not None or self.stop.is_set() or remaining <= IDLE_HEARTBEAT_INTERVAL:
+                return source or "poll"
+            self._heartbeat(conn)
+
     # -- state -----------------------------------------------------------------------------
+    def _heartbeat(self, conn: psycopg.Connection[Any]) -> None:
+        """Refresh the heartbeat if it is ``IDLE_HEARTBEAT_INTERVAL`` old (flag unchanged)."""
+        if time.monotonic() - self._last_heartbeat >= IDLE_HEARTBEAT_INTERVAL:
+            self._set_busy(conn, self.busy, force=True)
+
     def _set_busy(self, conn: psycopg.Connection[Any], busy: bool, force: bool = False) -> None:
         now = time.monotonic()
         if not force and busy == self.busy and now - self._last_heartbeat < HEARTBEAT_INTERVAL:

@@ -17,6 +17,7 @@ import pytest
 from sqlalchemy import Engine
 
 from pipeline.config import Settings
+from pipeline.db.stores.relays import RELAY_STALE_SECONDS
 from pipeline.tools.harness.fleet import Fleet
 from pipeline.tools.harness.processes import pid_alive
 from pipeline.tools.harness.readiness import wait_ready
@@ -188,7 +189,7 @@ def test_an_idle_relay_counts_as_registered_however_old_its_heartbeat(
             " pid) VALUES ('idle', false, clock_timestamp() - interval '1 hour', 'here', 4242)"
         )
         count = lambda pids: conn.exec_driver_sql(  # noqa: E731
-            queries.text("relays_registered"), {"pids": pids}
+            queries.text("relays_registered"), {"pids": pids, "stale": RELAY_STALE_SECONDS}
         ).scalar_one()
         assert count([4242]) == 1
         assert count([4243]) == 0  # another run's relay is not ours

@@ -1,7 +1,11 @@
 """The ``relay_state`` table: each running relay's heartbeat and busy flag.
 
 Producers read the busy flag (a busy relay polls, so they skip their NOTIFY); operators
-see the relays in ``pipeline status``. A row whose heartbeat stopped expires by age.
+see the relays in ``pipeline status``. A live relay refreshes its heartbeat at least every
+``RELAY_HEARTBEAT_SECONDS``, busy or idle, so a row's age tells its state: alive (busy or
+idle) while younger than ``RELAY_STALE_SECONDS``, then stale (stopped without removing
+its row, stuck, or cut off from Postgres), and gone after ``RELAY_GONE_SECONDS``. A relay
+that stops cleanly deletes its row.
 """
 
 from __future__ import annotations
@@ -13,6 +17,22 @@ import psycopg
 
 from pipeline.db.queries import queries_for
 
+RELAY_HEARTBEAT_SECONDS = 2.0
+"""How often a live relay refreshes its heartbeat at the longest (an idle one)."""
+RELAY_STALE_SECONDS = 10.0
+"""Heartbeat age from which a relay counts as not alive: several refreshes missed."""
+RELAY_GONE_SECONDS = 60.0
+"""Heartbeat age from which a relay counts as gone (its row outlived the process)."""
+
+
+def relay_state(busy: bool, heartbeat_age_seconds: float) -> str:
+    """``busy`` or ``idle`` (alive), ``stale`` or ``gone``, by the heartbeat's age."""
+    if heartbeat_age_seconds >= RELAY_GONE_SECONDS:
+        return "gone"
+    if heartbeat_age_seconds >= RELAY_STALE_SECONDS:
+        return "stale"
+    return "busy" if busy else "idle"
+
 
 @dataclass
 class RelayInfo:
@@ -21,6 +41,15 @@ class RelayInfo:
     pid: int
     busy: bool
     heartbeat_age_seconds: float
+
+    @property
+    def state(self) -> str:
+        """``busy``, ``idle``, ``stale`` or ``gone`` (:func:`relay_state`)."""
+        return relay_state(self.busy, self.heartbeat_age_seconds)
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("busy", "idle")
 
 
 class RelayStore:

@@ -39,6 +39,7 @@ import click
 from sqlalchemy import Engine
 
 from pipeline.config import configure, redact_url
+from pipeline.db.stores.relays import RELAY_STALE_SECONDS
 from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError
 from pipeline.tools.demo.layout import APP_MODULE, Layout, plan_layout, prepare_database
@@ -359,7 +360,8 @@ class _Demo:
         def ready() -> bool:
             with engine.connect() as connection:
                 state["relays"] = connection.exec_driver_sql(
-                    queries.text("relays_registered"), {"pids": relay_pids}
+                    queries.text("relays_registered"),
+                    {"pids": relay_pids, "stale": RELAY_STALE_SECONDS},
                 ).scalar_one()
             return bool(state["relays"]) and (
                 workers is None or workers_ready(workers, self.options.processes)

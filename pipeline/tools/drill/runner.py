@@ -42,6 +42,7 @@ import psycopg
 from sqlalchemy.exc import DBAPIError
 
 from pipeline.config import Settings, configure, libpq_url, load_settings, redact_url
+from pipeline.db.stores.relays import RELAY_STALE_SECONDS
 from pipeline.errors import PipelineError
 from pipeline.tools.drill.check import check_run
 from pipeline.tools.drill.faults import (
@@ -608,7 +609,11 @@ class _Drill:
 
         def ready() -> bool:
             pids = [m.child.pid for m in members.of("relay") if m.child is not None]
-            relays = self._query(servers.database_url, "relays_registered", {"pids": pids})[0][0]
+            relays = self._query(
+                servers.database_url,
+                "relays_registered",
+                {"pids": pids, "stale": RELAY_STALE_SECONDS},
+            )[0][0]
             return relays >= options.relays and all(members.ready(m) for m in members.of("worker"))
 
         def died(child: Child) -> DrillError:

@@ -8,8 +8,10 @@
 CREATE SCHEMA {app};
 
 -- name: relays_registered
--- Relays that have registered (a relay writes its row when it starts serving and deletes it
--- when it stops). An idle relay does not refresh its heartbeat, so the heartbeat's age says
--- nothing about whether it runs. With %(pids)s the relays of those processes, else any.
+-- Live relays: a relay writes its row when it starts serving, refreshes its heartbeat every
+-- couple of seconds (busy or idle) and deletes the row when it stops; a row whose heartbeat
+-- is %(stale)s seconds old belongs to a relay that is stale or gone (killed, stuck), which
+-- does not count. With %(pids)s the relays of those processes, else any.
 SELECT count(*) FROM {schema}.relay_state
-WHERE %(pids)s::int[] IS NULL OR pid = ANY(%(pids)s::int[]);
+WHERE (%(pids)s::int[] IS NULL OR pid = ANY(%(pids)s::int[]))
+  AND heartbeat_at > clock_timestamp() - make_interval(secs => %(stale)s);

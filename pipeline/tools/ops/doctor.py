@@ -58,6 +58,7 @@ from pipeline.db.migrate import (
     functions_checksum,
 )
 from pipeline.db.stores.diagnostics import DiagnosticsStore
+from pipeline.db.stores.relays import RelayInfo, RelayStore
 from pipeline.db.tables import metadata
 from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.errors import ServiceUnavailableError
@@ -68,6 +69,7 @@ from pipeline.policy import (
     retention_problems,
 )
 from pipeline.registry import CANARY_CONSUMER
+from pipeline.tools.ops.relays import relay_state
 from pipeline.transport.factory import transport_class
 
 Status = Literal["ok", "info", "problem"]
@@ -120,6 +122,7 @@ def run_doctor(
             if _check_schema(conn, settings.schema_name, report):
                 _check_dead_letters(conn, settings.schema_name, report)
                 _check_canary(conn, settings, report)
+                _check_relays(conn, settings, report)
             _check_server(conn, settings, report, clock)
     except ServiceUnavailableError as exc:
         report.add("postgres", "problem", str(exc), "start Postgres or fix PIPELINE_DATABASE_URL")
@@ -293,6 +296,36 @@ def _check_dead_letters(conn: psycopg.Connection[Any], schema: str, report: Repo
         )
     else:
         report.add("dead_letters", "ok", "no dead letters waiting")
+
+
+def _check_relays(conn: psycopg.Connection[Any], settings: Settings, report: Report) -> None:
+    relays = RelayStore(settings.schema_name).relays(conn)
+    states = [(relay, relay_state(relay)) for relay in relays]
+    alive = [relay for relay, state in states if state in ("busy", "idle")]
+    stale = [relay for relay, state in states if state == "stale"]
+    gone = [relay for relay, state in states if state == "gone"]
+    for relay in stale:
+        report.add(
+            "relays",
+            "problem",
+            f"relay {relay.relay_id} ({relay.host} pid {relay.pid}) has not refreshed its "
+            f"heartbeat for {relay.heartbeat_age_seconds:.0f}s",
+            "check that process: a live relay refreshes its heartbeat every few seconds, "
+            "idle or busy; it may be stuck, cut off from Postgres, or killed",
+        )
+    if alive:
+        report.add("relays", "ok", f"{len(alive)} relay(s) alive" + _gone_note(gone))
+    elif not stale:
+        report.add(
+            "relays",
+            "info",
+            "no relay is running" + _gone_note(gone),
+            "start `pipeline relay` (events wait in the outbox until one runs)",
+        )
+
+
+def _gone_note(gone: list[RelayInfo]) -> str:
+    return f"; {len(gone)} gone (rows left by relays that did not stop cleanly)" if gone else ""
 
 
 def _check_canary(conn: psycopg.Connection[Any], settings: Settings, report: Report) -> None:

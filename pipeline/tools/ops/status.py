@@ -4,8 +4,9 @@ Healthy means: no dead letters (publish or consume stage, not yet replayed), not
 in Dramatiq's dead-letter sets, the oldest unsent event younger than the threshold, and
 no delivery owed to a consumer past the redelivery horizon (an event sent, but with no
 outcome for one of its consumers: the broker lost it, or no worker runs that consumer).
-Relays are listed, not judged: an idle relay refreshes its heartbeat only
-when its busy flag changes, so heartbeat age is informational.
+Relays are listed as busy or idle (alive: a live relay refreshes its heartbeat every
+couple of seconds, busy or idle), stale (no heartbeat for a while: stopped uncleanly,
+stuck, or cut off from Postgres; a problem) or gone (its row outlived it; listed only).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pipeline.db.stores.state import StateStore
 from pipeline.driver_errors import wrap_driver_errors
 from pipeline.policy import redelivery_horizon
 from pipeline.tools.ops.activity import ConsumerActivity, format_activity, read_activity
+from pipeline.tools.ops.relays import relay_state
 from pipeline.tools.ops.text import printable_lines
 from pipeline.transport.base import QueueDepth
 from pipeline.transport.factory import open_transport
@@ -49,8 +51,9 @@ class Status:
         data = asdict(self)
         data["oldest_pending_age_seconds"] = round(self.oldest_pending_age_seconds, 3)
         data["consumers"] = {name: a.as_json() for name, a in self.consumers.items()}
-        for relay in data["relays"]:
+        for relay, info in zip(data["relays"], self.relays, strict=True):
             relay["heartbeat_age_seconds"] = round(relay["heartbeat_age_seconds"], 3)
+            relay["state"] = relay_state(info)
         return data
 
 
@@ -103,6 +106,13 @@ def read_status(
                 + ": the relay's ledger sweep sends them again; if this persists, check that "
                 "workers run this consumer"
             )
+    for relay in relays:
+        if relay_state(relay) == "stale":
+            problems.append(
+                f"relay {relay.relay_id} ({relay.host} pid {relay.pid}) has not refreshed its "
+                f"heartbeat for {relay.heartbeat_age_seconds:.0f}s: it stopped without "
+                "removing its row, is stuck, or cannot reach Postgres"
+            )
     for name, depth in sorted((depths or {}).items()):
         if depth.dead:
             problems.append(f"{depth.dead} messages in Dramatiq's dead-letter set of {name}")
@@ -149,11 +159,11 @@ def format_status(status: Status) -> str:
     lines.append(f"deliveries owed past the horizon: {owed}")
     lines += format_activity(status.consumers, status.interval_seconds)
     if status.relays:
-        lines.append("relays:")
+        alive = sum(relay_state(relay) in ("busy", "idle") for relay in status.relays)
+        lines.append(f"relays ({alive} alive):")
         for relay in status.relays:
-            state = "busy" if relay.busy else "idle"
             lines.append(
-                f"  {relay.relay_id} ({relay.host} pid {relay.pid}): {state}, "
+                f"  {relay.relay_id} ({relay.host} pid {relay.pid}): {relay_state(relay)}, "
                 f"heartbeat {relay.heartbeat_age_seconds:.1f}s ago"
             )
     else:
