@@ -224,6 +224,10 @@ class Settings(BaseSettings):
     # idle + 3 x (idle / 2) seconds and its backend (or connection) dropped. 0: OS defaults
     tcp_keepalives_idle_seconds: Annotated[int, Field(ge=0, le=32767)] = 10
 
+    # Routing: a relay or publishing worker refuses to start while events wait whose type no
+    # registered consumer takes (they would be sent to nobody), unless this says it is meant
+    allow_unrouted: bool = False
+
     # Backpressure: unsent events (pending or publishing); 0 turns a threshold off
     backlog_warn: Count = 10_000  # the relay's gauge and warning
     backlog_limit: Count = 0  # add_event* raise BacklogFull above it

@@ -28,6 +28,7 @@ QUERY_FILES = (
     "dlq.sql",
     "retention.sql",
     "diagnostics.sql",
+    "unrouted.sql",
 )
 """The engine's query files in ``pipeline.db``."""
 

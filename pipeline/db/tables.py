@@ -115,6 +115,11 @@ outbox = Table(
     ),
     Index("outbox_published_idx", "published_at", postgresql_where=text("status = 'sent'")),
     Index(
+        "outbox_unrouted_idx",
+        "seq",
+        postgresql_where=text("status = 'sent' AND consumers = '{}'::text[]"),
+    ),
+    Index(
         "outbox_causation_idx",
         text("(headers ->> 'causation_id')"),
         postgresql_where=text("(headers ->> 'causation_id') IS NOT NULL"),

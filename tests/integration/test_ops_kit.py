@@ -116,6 +116,7 @@ class Ops:
             PIPELINE_METRICS_PORT=str(self.relay_port),
             PIPELINE_WORKER_METRICS_PORT=str(self.worker_port),
             PIPELINE_STATE_METRICS_INTERVAL="1",
+            PIPELINE_ALLOW_UNROUTED="1",  # the workload sends unrouted events on purpose
             OPS_POISON_FLAG=str(self.poison_flag),
             OPS_FAIL_FLAG=str(self.fail_flag),
             PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -272,3 +272,71 @@ def audit_command(ctx: click.Context, limit: int, as_json: bool) -> None:
         _echo_json([record.as_json() for record in records])
     else:
         click.echo(printable_lines(render_actions(records)))
+
+
+@dlq.command("unrouted")
+@click.option(
+    "--event-type", "event_types", multiple=True, help="Only events of this type (repeatable)."
+)
+@limit_option(LIST_LIMIT, "List at most this many (oldest first).")
+@json_option("Print a JSON array.")
+@click.pass_context
+def unrouted_command(
+    ctx: click.Context, event_types: tuple[str, ...], limit: int, as_json: bool
+) -> None:
+    """List events that were sent to no consumer (no registered consumer took their type).
+
+    Nothing re-sends them by itself; once their consumers run, send them again with
+    `pipeline dlq resend-unrouted`.
+    """
+    from pipeline.tools.ops.unrouted import list_unrouted, render_unrouted
+
+    events = list_unrouted(settings_of(ctx), limit=limit, event_types=event_types)
+    if as_json:
+        _echo_json([event.as_json() for event in events])
+    else:
+        click.echo("\n".join(render_unrouted(events, limit)))
+
+
+@dlq.command("resend-unrouted")
+@click.option(
+    "--event-type", "event_types", multiple=True, help="Only events of this type (repeatable)."
+)
+@limit_option(None, "Send at most this many again (oldest first).")
+@dry_run_option("Print what would be sent again; change nothing.")
+@reason_option()
+@apps_option()
+@json_option()
+@click.pass_context
+def resend_unrouted_command(
+    ctx: click.Context,
+    event_types: tuple[str, ...],
+    limit: int | None,
+    dry_run: bool,
+    reason: str | None,
+    apps: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Send events that went to no consumer again, to the consumers that take them now.
+
+    Each goes back to pending and the relay publishes it in its key's order. Only events
+    whose type a consumer registered by PIPELINE_APP_MODULES / --app takes are sent;
+    the others are listed and left alone. Audited; dry runs are not.
+    """
+    from pipeline.tools.ops.consumers import load_registry
+    from pipeline.tools.ops.unrouted import render_resend, resend_unrouted
+
+    why = _reason(reason, dry_run)
+    settings = settings_of(ctx, apps)
+    report = resend_unrouted(
+        settings,
+        load_registry(settings),
+        event_types=event_types,
+        limit=limit,
+        dry_run=dry_run,
+        reason=why,
+    )
+    if as_json:
+        _echo_json(report.as_json())
+    else:
+        click.echo("\n".join(render_resend(report)))

@@ -8,7 +8,7 @@ import click
 
 from pipeline.config import Settings
 from pipeline.tools.cli.options import apps_option, metrics_port_option, settings_of
-from pipeline.tools.cli.services import stop_on_signals, warn_unknown_variables
+from pipeline.tools.cli.services import check_routes, stop_on_signals, warn_unknown_variables
 
 if TYPE_CHECKING:
     from pipeline.observability.metrics import MetricsServer
@@ -36,6 +36,12 @@ if TYPE_CHECKING:
     show_default=True,
     help="Serve backlog, dead-letter and queue-depth gauges (one relay per deployment is enough).",
 )
+@click.option(
+    "--allow-unrouted",
+    is_flag=True,
+    help="Start even when events wait whose type no registered consumer takes (they are "
+    "sent to nobody; default PIPELINE_ALLOW_UNROUTED).",
+)
 @click.pass_context
 def relay(
     ctx: click.Context,
@@ -44,6 +50,7 @@ def relay(
     apps: tuple[str, ...],
     metrics_port: int | None,
     state_metrics: bool,
+    allow_unrouted: bool,
 ) -> None:
     """Wake on NOTIFY (with a polling fallback) and publish due outbox events.
 
@@ -63,6 +70,8 @@ def relay(
     from pipeline.runtime import build_runtime
     from pipeline.signing import warn_if_unauthenticated
 
+    if allow_unrouted:
+        settings = settings.replace(allow_unrouted=True)
     runtime = build_runtime(settings)  # import errors and bad settings: one line, here
     configure_logging(settings)
     warn_if_unauthenticated(settings)
@@ -79,6 +88,7 @@ def relay(
             settings, redis_needed=True, stop=stop, role="relay", grants=grants
         ):
             return
+        unrouted = check_routes(settings, runtime.registry, "pipeline relay")
         server = Relay(
             settings,
             runtime.registry,
@@ -91,7 +101,7 @@ def relay(
         if stop.is_set():  # a signal came between the wait and the handler above
             return
         configure_tracing(settings, "pipeline-relay")
-        endpoint = _relay_metrics(settings, runtime, metrics_port, state_metrics)
+        endpoint = _relay_metrics(settings, runtime, metrics_port, state_metrics, unrouted)
         try:
             server.run()
         finally:
@@ -103,7 +113,11 @@ def relay(
 
 
 def _relay_metrics(
-    settings: Settings, runtime: Runtime, port: int | None, state_metrics: bool
+    settings: Settings,
+    runtime: Runtime,
+    port: int | None,
+    state_metrics: bool,
+    unrouted: dict[str, int],
 ) -> MetricsServer | None:
     """Start the relay's /metrics endpoint; a port in use disables it (delivery matters more)."""
     import logging
@@ -130,7 +144,7 @@ def _relay_metrics(
         else []
     )
     zero_initialise_consumers(consumers())
-    zero_initialise_publishing(runtime.registry.event_types())
+    zero_initialise_publishing(sorted({*runtime.registry.event_types(), *unrouted}))
     try:
         server = start_metrics_server(settings, "relay", port=port, collectors=collectors)
         if server is not None and collectors:  # refreshed off the scrape path

@@ -7,6 +7,21 @@ Their start-up checks (servers, schema, grants) are :func:`pipeline.readiness.wa
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pipeline.config import Settings
+    from pipeline.registry import Registry
+
+
+def check_routes(settings: Settings, registry: Registry, command: str) -> dict[str, int]:
+    """Refuse (one clear line) to publish events waiting for types no consumer takes, unless
+    ``settings.allow_unrouted``; returns those types with their counts."""
+    from pipeline.db.connect import connect
+    from pipeline.relay.routing import check_routes as check
+
+    with connect(settings, autocommit=True) as conn:
+        return check(conn, settings, registry, command)
 
 
 def warn_unknown_variables(role: str) -> None:

@@ -13,7 +13,7 @@ from pipeline.tools.cli.options import (
     settings_of,
     threads_option,
 )
-from pipeline.tools.cli.services import stop_on_signals, warn_unknown_variables
+from pipeline.tools.cli.services import check_routes, stop_on_signals, warn_unknown_variables
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -26,6 +26,12 @@ from pipeline.tools.cli.services import stop_on_signals, warn_unknown_variables
     "Port of the workers' /metrics endpoint (default PIPELINE_WORKER_METRICS_PORT, 9465; "
     "0 disables and runs dramatiq in place of this process).",
 )
+@click.option(
+    "--allow-unrouted",
+    is_flag=True,
+    help="Publish even when events wait whose type no registered consumer takes (they are "
+    "sent to nobody; default PIPELINE_ALLOW_UNROUTED).",
+)
 @click.argument("dramatiq_args", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def worker(
@@ -35,6 +41,7 @@ def worker(
     queues: tuple[str, ...],
     apps: tuple[str, ...],
     metrics_port_option: int | None,
+    allow_unrouted: bool,
     dramatiq_args: tuple[str, ...],
 ) -> None:
     """Run Dramatiq worker processes for the publishing and inbox actors.
@@ -59,6 +66,8 @@ def worker(
     from pipeline.runtime import build_runtime
     from pipeline.signing import warn_if_unauthenticated
 
+    if allow_unrouted:
+        settings = settings.replace(allow_unrouted=True)
     for queue in queues:
         validate_queue_name(queue)
     runtime = build_runtime(settings)  # import errors and bad settings: one line, here
@@ -67,6 +76,7 @@ def worker(
         _check_queues(queues, broker.get_declared_queues(), broker.get_declared_delay_queues())
     finally:
         runtime.close()
+    registry = runtime.registry
     argv = [
         sys.executable,
         "-m",
@@ -89,7 +99,11 @@ def worker(
     grants = worker_grants(publishing=publishing)
     if not wait_for_services(settings, redis_needed=True, stop=stop, role="worker", grants=grants):
         return
+    if publishing:
+        check_routes(settings, registry, "pipeline worker")
     env = dict(os.environ)
+    if settings.allow_unrouted:
+        env["PIPELINE_ALLOW_UNROUTED"] = "1"
     env["PIPELINE_APP_MODULES"] = settings.app_modules
     env["dramatiq_worker_timeout"] = str(settings.worker_timeout_ms)
     from pipeline.observability.metrics import MULTIPROC_ENV, metrics_port

@@ -3,7 +3,8 @@
 Healthy means: no dead letters (publish or consume stage, not yet replayed), nothing
 in Dramatiq's dead-letter sets, the oldest unsent event younger than the threshold, and
 no delivery owed to a consumer past the redelivery horizon (an event sent, but with no
-outcome for one of its consumers: the broker lost it, or no worker runs that consumer).
+outcome for one of its consumers: the broker lost it, or no worker runs that consumer), and no
+event sent to no consumer (unless ``PIPELINE_ALLOW_UNROUTED`` says that is meant).
 Relays are listed as busy or idle (alive: a live relay refreshes its heartbeat every
 couple of seconds, busy or idle), stale (no heartbeat for a while: stopped uncleanly,
 stuck, or cut off from Postgres; a problem) or gone (its row outlived it; listed only).
@@ -18,6 +19,7 @@ from pipeline.config import Settings
 from pipeline.db.connect import connect
 from pipeline.db.stores.relays import RelayInfo, RelayStore
 from pipeline.db.stores.state import StateStore
+from pipeline.db.stores.unrouted import UnroutedStore
 from pipeline.driver_errors import wrap_driver_errors
 from pipeline.policy import redelivery_horizon
 from pipeline.tools.ops.activity import ConsumerActivity, format_activity, read_activity
@@ -46,6 +48,7 @@ class Status:
     keys_held: dict[str, int] = field(default_factory=dict)
     interval_seconds: float = 300.0
     consumers: dict[str, ConsumerActivity] = field(default_factory=dict)
+    unrouted: dict[str, int] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -75,6 +78,7 @@ def read_status(
         database = StateStore(settings.schema_name).snapshot(conn, redelivery_horizon(settings))
         relays = RelayStore(settings.schema_name).relays(conn)
         activity = read_activity(conn, settings.schema_name, interval, consumers or ())
+        unrouted = UnroutedStore(settings.schema_name).counts(conn)
     depths: dict[str, QueueDepth] | None = None
     if settings.broker_url is not None:
         transport = open_transport(settings, middleware=[], timeout=5.0)
@@ -106,6 +110,13 @@ def read_status(
                 + ": the relay's ledger sweep sends them again; if this persists, check that "
                 "workers run this consumer"
             )
+    if unrouted and not settings.allow_unrouted:
+        types = ", ".join(f"{t} ({n})" for t, n in sorted(unrouted.items()))
+        problems.append(
+            f"{sum(unrouted.values())} events were sent to no consumer: {types}; list them "
+            "with `pipeline dlq unrouted`, and once their consumers run, send them again with "
+            "`pipeline dlq resend-unrouted --dry-run` (PIPELINE_ALLOW_UNROUTED=1 if meant)"
+        )
     for relay in relays:
         if relay_state(relay) == "stale":
             problems.append(
@@ -128,6 +139,7 @@ def read_status(
         keys_held={consumer: n for consumer, n in database.keys_held.items() if n},
         interval_seconds=interval,
         consumers=activity,
+        unrouted=unrouted,
     )
 
 
@@ -157,6 +169,8 @@ def format_status(status: Status) -> str:
     lines.append(f"dead letters: {dead}")
     owed = ", ".join(f"{k} {v}" for k, v in sorted(status.owed.items())) or "none"
     lines.append(f"deliveries owed past the horizon: {owed}")
+    unrouted = ", ".join(f"{k} {v}" for k, v in sorted(status.unrouted.items())) or "none"
+    lines.append(f"events sent to no consumer: {unrouted}")
     lines += format_activity(status.consumers, status.interval_seconds)
     if status.relays:
         alive = sum(relay_state(relay) in ("busy", "idle") for relay in status.relays)
