@@ -177,20 +177,23 @@ def test_a_moving_child_that_never_gets_ready_meets_the_ceiling(tmp_path: Path) 
         fleet.close()
 
 
-def test_an_idle_relay_counts_as_registered_however_old_its_heartbeat(
+def test_only_relays_with_a_fresh_heartbeat_count_as_registered(
     engine: Engine, settings: Settings
 ) -> None:
-    """An idle relay writes its heartbeat only when it starts: a readiness check on the
-    heartbeat's age missed relays whose workers took more than 10 s to start."""
+    """A live relay refreshes its heartbeat every couple of seconds, idle or busy, so a
+    readiness check counts relays whose heartbeat is fresh: a row left by a relay killed
+    with ``kill -9`` (its heartbeat stopped) does not make a run look ready."""
     queries = WorkflowQueries(settings.schema_name, "unused")
     with engine.begin() as conn:
         conn.exec_driver_sql(
             f"INSERT INTO {settings.schema_name}.relay_state (relay_id, busy, heartbeat_at, host,"
-            " pid) VALUES ('idle', false, clock_timestamp() - interval '1 hour', 'here', 4242)"
+            " pid) VALUES ('idle', false, clock_timestamp(), 'here', 4242),"
+            " ('killed', false, clock_timestamp() - interval '1 hour', 'here', 4244)"
         )
         count = lambda pids: conn.exec_driver_sql(  # noqa: E731
             queries.text("relays_registered"), {"pids": pids, "stale": RELAY_STALE_SECONDS}
         ).scalar_one()
         assert count([4242]) == 1
         assert count([4243]) == 0  # another run's relay is not ours
-        assert count(None) == 1  # --external: any registered relay
+        assert count([4244]) == 0  # its heartbeat stopped an hour ago: stale or gone
+        assert count(None) == 1  # --external: any live relay
