@@ -187,6 +187,7 @@ BAD_VALUES = {
     "audit_retention_seconds": "forever",
     "prune_interval_seconds": "-1",
     "prune_batch_size": "0",
+    "allow_unrouted": "maybe",
     "backlog_warn": "-1",
     "backlog_limit": "many",
     "message_key": "too-short-a-secret",
