@@ -127,3 +127,68 @@ def test_ids_whose_bodies_were_evicted_are_lost_deliveries_the_ledger_sends_agai
     assert scalar(
         engine, "SELECT sum(redeliveries) FROM pipeline.inbox WHERE consumer = 'ledger'"
     ) >= len(orders)
+
+
+def test_bodies_evicted_by_a_real_allkeys_lru_redis_are_lost_deliveries_not_dead_letters(
+    engine, inbox_settings: Settings, private_redis, tmp_path
+):
+    """A real eviction: a Redis of this test's own, ``allkeys-lru``, its ``maxmemory`` set
+    just under what it holds. The queue's message bodies (one large hash, least recently
+    used) go; the ids stay on the queue."""
+    settings = inbox_settings.replace(
+        redis_url=private_redis.url,
+        canary_interval=0,
+        redelivery_horizon_seconds=3.0,
+        reconcile_interval_seconds=0.5,
+    )
+    orders = [f"lru-{i}" for i in range(40)]
+    padding = "x" * 20_000  # 40 bodies of about 20 kB: the hash is the biggest key by far
+    produce(
+        engine,
+        [
+            NewEvent("entry.booked", {"order_id": o, "padding": padding}, aggregate_id=o)
+            for o in orders
+        ],
+    )
+    publish_repeated(settings.replace(max_events_per_message=1), times=1)
+    client = redis.Redis.from_url(settings.require_redis_url())
+    namespace = settings.redis_namespace
+    queue, bodies = queue_key(namespace, QUEUE), messages_key(namespace, QUEUE)
+    try:
+        assert client.llen(queue) == len(orders) and client.hlen(bodies) == len(orders)
+        wait_until(lambda: client.object("idletime", bodies) >= 2, timeout=30)
+        for key in client.scan_iter(match=f"{namespace}:*"):
+            if key != bodies.encode():
+                client.dump(key)  # read: only the bodies stay least recently used
+        used = int(client.info("memory")["used_memory"])
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        client.config_set("maxmemory", str(used - 200_000))
+        client.set(f"{namespace}:filler", "1")  # a write: Redis evicts before it runs
+        evicted = int(client.info("stats")["evicted_keys"])
+        assert evicted >= 1
+        assert not client.exists(bodies), "Redis evicted another key than the bodies"
+        assert client.llen(queue) == len(orders)
+        client.config_set("maxmemory", "0")
+    finally:
+        client.close()
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    worker_log, relay_log = tmp_path / "worker.log", tmp_path / "relay.log"
+    worker = start_worker(
+        settings, APP, worker_log, 1, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)
+    )
+    relay = start_relay(settings, APP, relay_log, "--metrics-port", "0")
+    try:
+        wait_until(
+            lambda: len(stage_counts(engine, "ledger")) == len(orders),
+            timeout=60,
+            progress=lambda: log_size(worker_log, relay_log),
+            alive=[worker, relay],
+        )
+    finally:
+        stop_process(relay)
+        stop_process(worker)
+    lost = multiprocess_metric(metrics_dir, "pipeline_deliveries_lost_total", queue=QUEUE)
+    assert lost == len(orders)
+    assert scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 0
+    assert stage_counts(engine, "ledger") == Counter({o: 1 for o in orders})
