@@ -84,9 +84,9 @@ def _log_missing_bodies(queue_name: str, duplicates: int, lost: int) -> None:
 
 
 DONE_IDS_KEPT = 50_000
-"""Finished message ids remembered per queue (about 5 MB of Redis at most): a leftover
-id older than that many acknowledgements counts as lost, not as a duplicate, which costs
-one needless look by the delivery ledger, never a second run."""
+"""Finished message ids remembered per queue (about 6 MB of Redis per queue when full): a
+leftover id older than that many acknowledgements counts as lost, not as a duplicate, which
+costs one needless look by the delivery ledger, never a second run."""
 
 # KEYS[1] a consumer's un-acked set, KEYS[2] the queue's message bodies, KEYS[3] the queue's
 # finished ids. Removes the members that have no body and returns them, each followed by 1
