@@ -101,6 +101,9 @@ def pack_deliveries(
     return deliveries
 
 
+_WARNED_UNROUTED: set[str] = set()  # event types this process warned about sending to nobody
+
+
 class Drainer:
     """Claims and publishes batches over one dedicated database connection."""
 
@@ -295,6 +298,14 @@ class Drainer:
             counter = metrics.events_published if routed else metrics.events_unrouted
             counter.labels(event_type).inc(count)
             result.unrouted += 0 if routed else count
+            if not routed and event_type not in _WARNED_UNROUTED:
+                _WARNED_UNROUTED.add(event_type)  # once per type and process: no flood
+                log.warning(
+                    "events sent to no consumer: no registered consumer takes their type; "
+                    "`pipeline dlq unrouted` lists them, `pipeline dlq resend-unrouted` sends "
+                    "them again once their consumers run",
+                    extra={"event_type": event_type},
+                )
             metrics.observe_many(
                 metrics.publish_lag.labels(event_type), [max(0.0, lag) for lag in lags[event_type]]
             )

@@ -87,6 +87,9 @@ def test_unrouted_events_are_refused_recorded_reported_and_sent_again(
     finally:
         stop_process(allowed)
     assert allowed.returncode == 0, log.read_text()[-2000:]
+    text = log.read_text()
+    assert "will be sent to nobody: entry.booked (3)" in text  # the start-up warning
+    assert text.count("events sent to no consumer") == 1  # once per type, not per event
 
     # 3. Found: status reports them as a problem; dlq unrouted lists them.
     env = pipeline_env(settings, APP)
