@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import psycopg
 from psycopg import sql
@@ -116,9 +116,11 @@ def wait_for_services(
     stop: threading.Event,
     role: str,
     grants: Mapping[str, frozenset[str]] | None = None,
+    checks: Sequence[Callable[[], str | None]] = (),
 ) -> bool:
     """Block until Postgres (with the schema and, given ``grants``, the role's grants) and,
-    if needed, the broker are usable.
+    if needed, the broker are usable, and each of ``checks`` returns None (a string is an
+    outage to wait out, as the server checks; a check raises for what waiting cannot fix).
 
     ``redis_needed`` (a name kept from before RabbitMQ) asks for the broker, whichever it is.
 
@@ -134,6 +136,9 @@ def wait_for_services(
             problem = transport_problem(settings)
         if problem is None and grants is not None:
             problem = privileges_problem(settings, grants, f"pipeline {role}")
+        for check in checks:
+            if problem is None:
+                problem = check()
         if problem is None:
             if backoff.reset():
                 log.info(f"{role}: every server it needs is ready; starting", extra={"role": role})

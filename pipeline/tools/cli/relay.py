@@ -8,7 +8,7 @@ import click
 
 from pipeline.config import Settings
 from pipeline.tools.cli.options import apps_option, metrics_port_option, settings_of
-from pipeline.tools.cli.services import check_routes, stop_on_signals, warn_unknown_variables
+from pipeline.tools.cli.services import routes_check, stop_on_signals, warn_unknown_variables
 
 if TYPE_CHECKING:
     from pipeline.observability.metrics import MetricsServer
@@ -84,11 +84,12 @@ def relay(
             canary=settings.canary_interval > 0,
             janitor=settings.prune_interval_seconds > 0,
         )
+        unrouted: dict[str, int] = {}
+        routes = routes_check(settings, runtime.registry, "pipeline relay", unrouted)
         if not wait_for_services(
-            settings, redis_needed=True, stop=stop, role="relay", grants=grants
+            settings, redis_needed=True, stop=stop, role="relay", grants=grants, checks=[routes]
         ):
             return
-        unrouted = check_routes(settings, runtime.registry, "pipeline relay")
         server = Relay(
             settings,
             runtime.registry,

@@ -14,14 +14,33 @@ if TYPE_CHECKING:
     from pipeline.registry import Registry
 
 
-def check_routes(settings: Settings, registry: Registry, command: str) -> dict[str, int]:
-    """Refuse (one clear line) to publish events waiting for types no consumer takes, unless
-    ``settings.allow_unrouted``; returns those types with their counts."""
-    from pipeline.db.connect import connect
-    from pipeline.relay.routing import check_routes as check
+def routes_check(
+    settings: Settings, registry: Registry, command: str, found: dict[str, int]
+) -> Callable[[], str | None]:
+    """A start-up check for :func:`pipeline.readiness.wait_for_services`: refuse (one clear
+    line) to publish events waiting for types no consumer takes, unless
+    ``settings.allow_unrouted``; those types and counts go into ``found``. A connection that
+    fails is an outage to wait out, like the other start-up checks."""
 
-    with connect(settings, autocommit=True) as conn:
-        return check(conn, settings, registry, command)
+    def check() -> str | None:
+        import psycopg
+
+        from pipeline.db.connect import connect, describe_server, driver_reason
+        from pipeline.errors import ServiceUnavailableError
+        from pipeline.readiness import CHECK_TIMEOUT
+        from pipeline.relay.routing import check_routes
+
+        try:
+            with connect(settings, autocommit=True, connect_timeout=CHECK_TIMEOUT) as conn:
+                found.update(check_routes(conn, settings, registry, command))
+        except ServiceUnavailableError as exc:
+            return str(exc)
+        except psycopg.OperationalError as exc:
+            url = settings.require_database_url()
+            return f"cannot use Postgres at {describe_server(url)}: {driver_reason(exc, url)}"
+        return None
+
+    return check
 
 
 def warn_unknown_variables(role: str) -> None:

@@ -13,7 +13,7 @@ from pipeline.tools.cli.options import (
     settings_of,
     threads_option,
 )
-from pipeline.tools.cli.services import check_routes, stop_on_signals, warn_unknown_variables
+from pipeline.tools.cli.services import routes_check, stop_on_signals, warn_unknown_variables
 
 
 @click.command(context_settings={"ignore_unknown_options": True})
@@ -97,10 +97,11 @@ def worker(
     stop_on_signals(stop.set)
     publishing = not queues or PUBLISH_QUEUE_NAME in queues
     grants = worker_grants(publishing=publishing)
-    if not wait_for_services(settings, redis_needed=True, stop=stop, role="worker", grants=grants):
+    checks = [routes_check(settings, registry, "pipeline worker", {})] if publishing else []
+    if not wait_for_services(
+        settings, redis_needed=True, stop=stop, role="worker", grants=grants, checks=checks
+    ):
         return
-    if publishing:
-        check_routes(settings, registry, "pipeline worker")
     env = dict(os.environ)
     if settings.allow_unrouted:
         env["PIPELINE_ALLOW_UNROUTED"] = "1"
