@@ -12,7 +12,6 @@ import json
 import signal
 
 from pipeline import Settings
-from pipeline.db.stores.relays import RelayInfo, relay_state
 from tests.support import pipeline_env, run_cli, start_relay, stop_process, wait_until
 
 APP = "tests.apps.relay_app"
@@ -64,12 +63,3 @@ def test_an_idle_relay_stays_alive_and_a_killed_one_is_gone(settings: Settings, 
         stop_process(relay)
         with engine.begin() as conn:
             conn.exec_driver_sql("DELETE FROM pipeline.relay_state")
-
-
-def test_heartbeat_age_decides_alive_stale_and_gone():
-    def state(age: float, busy: bool = False) -> str:
-        return RelayInfo("r", "elsewhere", 1, busy, age).state
-
-    assert state(0.5) == "idle" and state(9.9, busy=True) == "busy"
-    assert state(10.0) == "stale" and state(59.0, busy=True) == "stale"
-    assert state(60.0) == "gone" == relay_state(False, 3600.0)
