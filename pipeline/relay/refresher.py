@@ -33,8 +33,15 @@ class StateRefresher(threading.Thread):
         self.collectors = list(collectors)
         self.interval = interval
         self.stop = threading.Event()
+        self.first_pass = threading.Event()  # set once every collector was refreshed once
         for collector in self.collectors:
             collector.run_in_background()
+
+    def start_and_wait(self, timeout: float = 5.0) -> None:
+        """Start, and give the first refresh up to ``timeout`` seconds, so that the first
+        scrape usually finds values; a server that does not answer delays nothing longer."""
+        self.start()
+        self.first_pass.wait(timeout)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -45,6 +52,7 @@ class StateRefresher(threading.Thread):
                     collector.refresh()
                 except Exception:  # a bug in one collector must not end the others' refreshes
                     log.exception("state metrics refresh failed")
+            self.first_pass.set()
             self.stop.wait(self.interval)
 
     def close(self, timeout: float = 5.0) -> None:

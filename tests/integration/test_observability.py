@@ -953,9 +953,10 @@ def test_status_json_reports_state_and_exit_codes(engine, runtime, settings):
         "keys_held",
         "interval_seconds",
         "consumers",
+        "unrouted",
     }
     assert report["healthy"] is True and report["problems"] == []
-    assert report["owed"] == {} and report["keys_held"] == {}
+    assert report["owed"] == {} and report["keys_held"] == {} and report["unrouted"] == {}
     assert report["backlog"] == {"pending": 0, "publishing": 0}
     assert report["dead_letters"] == {"publish": 0, "consume": 0}
     assert report["relays"] == []

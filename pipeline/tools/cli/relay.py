@@ -124,6 +124,7 @@ def _relay_metrics(
     import logging
 
     from pipeline.observability.metrics import (
+        metrics_port,
         start_metrics_server,
         zero_initialise_consumers,
         zero_initialise_publishing,
@@ -146,16 +147,24 @@ def _relay_metrics(
     )
     zero_initialise_consumers(consumers())
     zero_initialise_publishing(sorted({*runtime.registry.event_types(), *unrouted}))
+    serving = metrics_port(settings, "relay") if port is None else port
+    refresher = None
+    if collectors and serving:
+        refresher = StateRefresher(collectors, settings.state_metrics_interval)
+        refresher.start_and_wait()  # refreshed off the scrape path from now on
     try:
         server = start_metrics_server(settings, "relay", port=port, collectors=collectors)
-        if server is not None and collectors:  # refreshed off the scrape path
-            refresher = StateRefresher(collectors, settings.state_metrics_interval)
-            refresher.start()
-            server.add_closer(refresher.close)
-        return server
     except OSError as exc:
+        if refresher is not None:
+            refresher.close()
         logging.getLogger("pipeline.relay").error(
             "metrics endpoint disabled: cannot listen",
             extra={"host": settings.metrics_host, "error": str(exc)},
         )
         return None
+    if refresher is not None:
+        if server is None:
+            refresher.close()
+        else:
+            server.add_closer(refresher.close)
+    return server
