@@ -149,10 +149,10 @@ class Transport(ABC):
         """Hand ``sink`` the raw bytes of every message a consumer cannot decode; the
         transport removes them after the sink returns (a consume-stage dead letter)."""
 
-    @abstractmethod
-    def on_missing_body(self, sink: MissingBodySink) -> None:
+    def on_missing_body(self, sink: MissingBodySink) -> None:  # noqa: B027 - optional hook
         """Tell ``sink`` about message ids found without a body (:data:`MissingBodySink`);
-        the transport drops them after the sink returns (they carry nothing to run)."""
+        the transport drops them after the sink returns (they carry nothing to run). A
+        broker that keeps ids and bodies together (RabbitMQ) never has any: nothing to do."""
 
     @abstractmethod
     def queue_depths(self, queues: Iterable[str]) -> dict[str, QueueDepth]:
