@@ -184,7 +184,18 @@ class WakeableRedisConsumer(_RedisConsumer):
     While Redis is down it waits out the broker's :class:`RedisOutage` (one log line per
     backoff step for the whole process) instead of raising to Dramatiq, whose consumer
     threads would each log a critical error and restart every three seconds.
+
+    A fetch that fails may still have run on the server (the reply was lost, a socket
+    timed out): its ids then sit in this process's un-acked set with nobody holding them,
+    and, this worker being alive, Dramatiq would never put them back. So after a failed
+    fetch the next fetch first requeues every un-acked id of this consumer that it did not
+    hand out (:meth:`_requeue_orphans`).
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self._orphans_possible = False  # a fetch failed since the last look at the un-acked set
+        self._held_ids: set[Any] = set()  # Redis ids handed to worker threads, not finished
 
     def __next__(self) -> Any:
         outage: RedisOutage = self.broker.outage
@@ -213,14 +224,35 @@ class WakeableRedisConsumer(_RedisConsumer):
                     self._discard_undecodable(data, malformed)
                     continue
                 self.queued_message_ids.add(message.message_id)
+                self._held_ids.add(message.options.get("redis_message_id"))
                 return MessageProxy(message)
         except redis.RedisError as exc:
+            self._orphans_possible = True
             outage.failed(exc)
             return None
+
+    def _requeue_orphans(self) -> None:
+        """Put back on the queue the un-acked ids of this consumer that nobody holds."""
+        broker = self.broker
+        acks = acks_key(broker.namespace, broker.broker_id, self.queue_name)
+        held = set(self._held_ids)
+        members = broker.client.smembers(acks)
+        held |= self._held_ids  # a message handed out meanwhile is held, not orphaned
+        orphans = [_text(member) for member in members if _text(member) not in held]
+        if orphans:
+            broker.do_requeue(self.queue_name, *orphans)
+            broker.wake(self.queue_name)
+            log.warning(
+                "requeued messages a failed fetch had taken but never delivered",
+                extra={"queue": self.queue_name, "count": len(orphans)},
+            )
 
     _drained = False  # the last fetch got fewer messages than it asked for: the queue is empty
 
     def _fetch(self) -> bool:
+        if self._orphans_possible:
+            self._requeue_orphans()
+            self._orphans_possible = False
         wanted = self.prefetch - self.outstanding_message_count
         if wanted <= 0:  # enough in hand: back off
             self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
@@ -271,6 +303,7 @@ class WakeableRedisConsumer(_RedisConsumer):
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
             self.queued_message_ids.discard(message.message_id)
+            self._held_ids.discard(redis_id)
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
         """Dramatiq's requeue (a stopping worker's unprocessed messages), then a wake-up."""
