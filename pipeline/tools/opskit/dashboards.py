@@ -11,6 +11,7 @@ something happened (failures, dead letters, re-deliveries) fall back to
 
 from __future__ import annotations
 
+import json
 from urllib.parse import quote
 
 from pipeline.tools.opskit.grafana import (
@@ -26,6 +27,7 @@ from pipeline.tools.opskit.grafana import (
     timeseries,
 )
 from pipeline.tools.opskit.options import CONSUMERS_UID, OVERVIEW_UID, RELAY_UID, KitOptions
+from pipeline.tools.opskit.rules import PUBLISH_OUTCOMES, TINY
 
 J = 'job=~"$job", instance=~"$instance"'
 C = f'{J}, consumer=~"$consumer"'
@@ -55,27 +57,50 @@ def _quantile(q: float, histogram: str, by: str = "", selector: str = J) -> Quer
     return Query(expr, legend)
 
 
-def _ratio(part: str, other: str, by: str = "", selector: str = J) -> str:
-    """part / (part + other), other possibly absent; 0 when part has no series yet."""
+def _ratio(part: str, others: tuple[str, ...], by: str = "", selector: str = J) -> str:
+    """part / (part + others) in the same unit; others possibly absent. The denominator is
+    clamped above 0 (an idle system reads 0, not NaN); with no ``part`` series yet, the
+    ratio is 0 for each label set of the first of ``others`` (no unlabelled extra series)."""
     a = _sum_rate(part, by, selector)
-    b = _sum_rate(other, by, selector)
-    return f"({a} / ({a} + {b} or {a})) or vector(0)"
+    rest = [_sum_rate(other, by, selector) for other in others]
+    other = rest[0] if len(rest) == 1 else f"({' + '.join(rest)} or {' or '.join(rest)})"
+    zero = f"{rest[0]} * 0" if by else "on() vector(0)"
+    return f"{a} / clamp_min({a} + {other} or {a}, {TINY}) or {zero}"
 
 
 def _variables(o: KitOptions, *extra: Json) -> list[Json]:
-    return [
-        datasource_variable(),
-        query_variable(
-            "job", "job", "label_values(pipeline_canary_last_success_timestamp_seconds, job)"
-        ),
-        query_variable(
-            "instance",
-            "instance",
-            'label_values(pipeline_canary_last_success_timestamp_seconds{job=~"$job"}, instance)',
-        ),
-        *extra,
-        textbox_variable("trace_ui", "Trace UI", o.trace_ui_url),
+    """Data source, the group labels', job and instance variables (each narrowed by those
+    before it: ``_group_matchers`` adds the group labels to ``$job`` selectors), the
+    dashboard's own, and the trace UI's base URL."""
+    jobs = f'job=~"{o.jobs_regex}"'
+    variables = [datasource_variable()]
+    for index, label in enumerate(o.group_labels):
+        before = "".join(f', {g}=~"${g}"' for g in o.group_labels[:index])
+        query = f"label_values(up{{{jobs}{before}}}, {label})"
+        variables.append(query_variable(label, label.title(), query))
+    groups = "".join(f', {g}=~"${g}"' for g in o.group_labels)
+    variables += [
+        query_variable("job", "Job", f"label_values(up{{{jobs}{groups}}}, job)"),
+        query_variable("instance", "Instance", 'label_values(up{job=~"$job"}, instance)'),
     ]
+    return [*variables, *extra, textbox_variable("trace_ui", "Trace UI", o.trace_ui_url)]
+
+
+def _group_matchers(board: Json, o: KitOptions) -> Json:
+    """Every selector that filters on ``$job`` filters on the group labels' variables too."""
+    if not o.group_labels:
+        return board
+    groups = "".join(f'{label}=~\\"${label}\\", ' for label in o.group_labels)
+    text = json.dumps(board).replace('job=~\\"$job\\"', groups + 'job=~\\"$job\\"')
+    return dict(json.loads(text))
+
+
+def _without(rows: list[Row], titles: set[str]) -> list[Row]:
+    """The rows without the panels of features a deployment turned off."""
+    return [Row(row.title, [p for p in row.panels if p.title not in titles]) for row in rows]
+
+
+CANARY_PANELS = {"Canary age", "Canary latency"}
 
 
 def _runbook(o: KitOptions, name: str) -> Link:
@@ -104,13 +129,13 @@ def overview(o: KitOptions) -> Json:
                 "Published",
                 "Events the broker accepted per second (every copy delivered to Redis).",
                 "eps",
-                Query(f"{_sum_rate('pipeline_events_published_total')} or vector(0)"),
+                Query(f"{_sum_rate('pipeline_events_published_total')} or on() vector(0)"),
             ),
             stat(
                 "Processed",
                 "Events whose handler committed per second, all consumers together.",
                 "eps",
-                Query(f"{_sum_rate('pipeline_inbox_processed_total')} or vector(0)"),
+                Query(f"{_sum_rate('pipeline_inbox_processed_total')} or on() vector(0)"),
             ),
             stat(
                 "Canary age",
@@ -160,8 +185,12 @@ def overview(o: KitOptions) -> Json:
                 "publishing actors, processed by consumers (one event with three consumers "
                 "counts three times here).",
                 "eps",
-                Query(f"{_sum_rate('pipeline_events_published_total')} or vector(0)", "published"),
-                Query(f"{_sum_rate('pipeline_inbox_processed_total')} or vector(0)", "processed"),
+                Query(
+                    f"{_sum_rate('pipeline_events_published_total')} or on() vector(0)", "published"
+                ),
+                Query(
+                    f"{_sum_rate('pipeline_inbox_processed_total')} or on() vector(0)", "processed"
+                ),
                 width=8,
             ),
             timeseries(
@@ -226,12 +255,12 @@ def overview(o: KitOptions) -> Json:
         [
             timeseries(
                 "Publish failure ratio",
-                "Share of delivery attempts to the broker that failed (retried with backoff, "
-                "dead-lettered after the last attempt).",
+                "Share of the events the relays tried to publish whose attempt failed (an "
+                "event counts once per attempt, whatever its number of consumers; retried with "
+                "backoff, dead-lettered after the last attempt).",
                 "percentunit",
                 Query(
-                    f"({_sum_rate('pipeline_publish_failures_total')} / "
-                    f"{_sum_rate('pipeline_publish_attempts_total')}) or vector(0)",
+                    _ratio("pipeline_publish_failures_total", PUBLISH_OUTCOMES),
                     "failed attempts",
                 ),
                 width=8,
@@ -243,11 +272,11 @@ def overview(o: KitOptions) -> Json:
                 "over all consumers.",
                 "percentunit",
                 Query(
-                    _ratio("pipeline_inbox_failures_total", "pipeline_inbox_processed_total"),
+                    _ratio("pipeline_inbox_failures_total", ("pipeline_inbox_processed_total",)),
                     "failed",
                 ),
                 Query(
-                    _ratio("pipeline_inbox_retries_total", "pipeline_inbox_processed_total"),
+                    _ratio("pipeline_inbox_retries_total", ("pipeline_inbox_processed_total",)),
                     "retried",
                 ),
                 width=8,
@@ -259,7 +288,7 @@ def overview(o: KitOptions) -> Json:
                 "finished (at-least-once delivery at work; a spike is a redelivery storm).",
                 "percentunit",
                 Query(
-                    _ratio("pipeline_inbox_duplicates_total", "pipeline_inbox_processed_total"),
+                    _ratio("pipeline_inbox_duplicates_total", ("pipeline_inbox_processed_total",)),
                     "duplicates",
                 ),
                 width=8,
@@ -270,9 +299,11 @@ def overview(o: KitOptions) -> Json:
                 "Deliveries the relay's ledger sweep sent again (no outcome within the "
                 "horizon), and messages workers retried after a database or broker failure.",
                 "eps",
-                Query(f"{_sum_rate('pipeline_redeliveries_total')} or vector(0)", "re-delivered"),
                 Query(
-                    f"{_sum_rate('pipeline_inbox_infrastructure_retries_total')} or vector(0)",
+                    f"{_sum_rate('pipeline_redeliveries_total')} or on() vector(0)", "re-delivered"
+                ),
+                Query(
+                    f"{_sum_rate('pipeline_inbox_infrastructure_retries_total')} or on() vector(0)",
                     "infrastructure retries",
                 ),
                 width=8,
@@ -295,7 +326,7 @@ def overview(o: KitOptions) -> Json:
                 "short",
                 Query(
                     f"count(group by (job, instance) ({_rate('pipeline_relay_wakeups_total')})) "
-                    "or vector(0)",
+                    "or on() vector(0)",
                     "relays",
                 ),
                 Query(f"sum(pipeline_relay_listener_connected{{{J}}})", "listening"),
@@ -323,7 +354,7 @@ def overview(o: KitOptions) -> Json:
                 "short",
                 Query(
                     "sum by (stage, error_class) "
-                    f"(increase(pipeline_dead_letters_total{{{J}}}{RATE})) or vector(0)",
+                    f"(increase(pipeline_dead_letters_total{{{J}}}{RATE})) or on() vector(0)",
                     "{{stage}} {{error_class}}",
                 ),
                 width=8,
@@ -350,7 +381,7 @@ def overview(o: KitOptions) -> Json:
         "Pipeline / Overview",
         "Is it flowing, how far behind, what is failing, what is dead-lettered.",
         _variables(o),
-        [flowing, behind, failing, dead],
+        _without([flowing, behind, failing, dead], set() if o.canary else CANARY_PANELS),
         [Link("Runbooks", o.runbook("README"))],
     )
 
@@ -368,7 +399,7 @@ def relay(o: KitOptions) -> Json:
                 "short",
                 Query(
                     f"count(group by (job, instance) ({_rate('pipeline_relay_wakeups_total')})) "
-                    "or vector(0)"
+                    "or on() vector(0)"
                 ),
                 thresholds=((None, "red"), (1, "green")),
                 links=[_runbook(o, "PipelineRelayDown")],
@@ -451,7 +482,8 @@ def relay(o: KitOptions) -> Json:
                 "Events the broker accepted per second, by event type.",
                 "eps",
                 Query(
-                    f"{_sum_rate('pipeline_events_published_total', 'event_type')} or vector(0)",
+                    _sum_rate("pipeline_events_published_total", "event_type")
+                    + " or on() vector(0)",
                     "{{event_type}}",
                 ),
                 width=8,
@@ -462,7 +494,8 @@ def relay(o: KitOptions) -> Json:
                 "eps",
                 Query(_sum_rate("pipeline_publish_attempts_total"), "attempts"),
                 Query(
-                    f"{_sum_rate('pipeline_publish_failures_total', 'error_class')} or vector(0)",
+                    _sum_rate("pipeline_publish_failures_total", "error_class")
+                    + " or on() vector(0)",
                     "failed {{error_class}}",
                 ),
                 width=8,
@@ -470,13 +503,16 @@ def relay(o: KitOptions) -> Json:
             ),
             timeseries(
                 "Unrouted events",
-                "Events marked sent although no consumer subscribes to their type.",
+                "Events marked sent although no consumer subscribes to their type: nothing "
+                "re-sends them by itself.",
                 "eps",
                 Query(
-                    f"{_sum_rate('pipeline_events_unrouted_total', 'event_type')} or vector(0)",
+                    _sum_rate("pipeline_events_unrouted_total", "event_type")
+                    + " or on() vector(0)",
                     "{{event_type}}",
                 ),
                 width=8,
+                links=[_runbook(o, "PipelineEventsUnrouted")],
             ),
             timeseries(
                 "Publish lag",
@@ -530,7 +566,7 @@ def relay(o: KitOptions) -> Json:
                 "PIPELINE_REDELIVERY_HORIZON_SECONDS.",
                 "eps",
                 Query(
-                    f"{_sum_rate('pipeline_redeliveries_total', 'consumer')} or vector(0)",
+                    f"{_sum_rate('pipeline_redeliveries_total', 'consumer')} or on() vector(0)",
                     "{{consumer}}",
                 ),
                 width=8,
@@ -554,6 +590,19 @@ def relay(o: KitOptions) -> Json:
                 "s",
                 Query(f"max(pipeline_state_refresh_duration_seconds{{{J}}})", "refresh"),
                 width=8,
+            ),
+            timeseries(
+                "State metrics age",
+                "Seconds since the relays' state collector last read Postgres and Redis "
+                f"successfully. Above {o.state_metrics_stale_seconds:g} s "
+                "PipelineStateMetricsStale fires.",
+                "s",
+                Query(
+                    f"time() - max(pipeline_state_metrics_last_success_timestamp_seconds{{{J}}})",
+                    "age",
+                ),
+                width=8,
+                links=[_runbook(o, "PipelineStateMetricsStale")],
             ),
             timeseries(
                 "State sources readable over time",
@@ -583,7 +632,7 @@ def relay(o: KitOptions) -> Json:
 
 def consumers(o: KitOptions) -> Json:
     consumer_variable = query_variable(
-        "consumer", "consumer", 'label_values(pipeline_deliveries_owed{job=~"$job"}, consumer)'
+        "consumer", "Consumer", 'label_values(pipeline_deliveries_owed{job=~"$job"}, consumer)'
     )
     failure_traces = _traces(
         "Failed handler traces",
@@ -603,7 +652,8 @@ def consumers(o: KitOptions) -> Json:
                 "Events whose handler committed per second.",
                 "eps",
                 Query(
-                    f"{_sum_rate('pipeline_inbox_processed_total', 'consumer', C)} or vector(0)",
+                    _sum_rate("pipeline_inbox_processed_total", "consumer", C)
+                    + " or on() vector(0)",
                     "{{consumer}}",
                 ),
                 width=8,
@@ -614,7 +664,7 @@ def consumers(o: KitOptions) -> Json:
                 "eps",
                 Query(
                     f"{_sum_rate('pipeline_inbox_failures_total', 'consumer, error_class', C)} "
-                    "or vector(0)",
+                    "or on() vector(0)",
                     "{{consumer}} {{error_class}}",
                 ),
                 width=8,
@@ -629,7 +679,7 @@ def consumers(o: KitOptions) -> Json:
                 Query(
                     _ratio(
                         "pipeline_inbox_failures_total",
-                        "pipeline_inbox_processed_total",
+                        ("pipeline_inbox_processed_total",),
                         "consumer",
                         C,
                     ),
@@ -643,7 +693,7 @@ def consumers(o: KitOptions) -> Json:
                 "Failed handler attempts scheduled for another try, per second.",
                 "eps",
                 Query(
-                    f"{_sum_rate('pipeline_inbox_retries_total', 'consumer', C)} or vector(0)",
+                    f"{_sum_rate('pipeline_inbox_retries_total', 'consumer', C)} or on() vector(0)",
                     "{{consumer}}",
                 ),
                 width=8,
@@ -655,7 +705,7 @@ def consumers(o: KitOptions) -> Json:
                 "mps",
                 Query(
                     f"{_sum_rate('pipeline_inbox_infrastructure_retries_total', 'consumer, error_class', C)} "  # noqa: E501
-                    "or vector(0)",
+                    "or on() vector(0)",
                     "{{consumer}} {{error_class}}",
                 ),
                 width=8,
@@ -668,7 +718,7 @@ def consumers(o: KitOptions) -> Json:
                 "short",
                 Query(
                     "sum by (event_type, error_class) (increase(pipeline_dead_letters_total"
-                    f'{{{J}, stage="consume"}}{RATE})) or vector(0)',
+                    f'{{{J}, stage="consume"}}{RATE})) or on() vector(0)',
                     "{{event_type}} {{error_class}}",
                 ),
                 width=8,
@@ -730,7 +780,7 @@ def consumers(o: KitOptions) -> Json:
                 Query(
                     _ratio(
                         "pipeline_inbox_duplicates_total",
-                        "pipeline_inbox_processed_total",
+                        ("pipeline_inbox_processed_total",),
                         "consumer",
                         C,
                     ),
@@ -744,7 +794,7 @@ def consumers(o: KitOptions) -> Json:
                 "Deliveries the relay's ledger sweep sent again to the consumer.",
                 "eps",
                 Query(
-                    f"{_sum_rate('pipeline_redeliveries_total', 'consumer', C)} or vector(0)",
+                    f"{_sum_rate('pipeline_redeliveries_total', 'consumer', C)} or on() vector(0)",
                     "{{consumer}}",
                 ),
                 width=8,
@@ -788,7 +838,7 @@ def consumers(o: KitOptions) -> Json:
         "Pipeline / Consumers",
         "Consumers: throughput, failures, latency, duplicates, re-deliveries and queues.",
         _variables(o, consumer_variable),
-        [throughput, latency, delivery],
+        _without([throughput, latency, delivery], set() if o.canary else CANARY_PANELS),
         [
             Link("Poison message playbook", o.runbook("poison-message")),
             Link("Runbooks", o.runbook("README")),
@@ -799,7 +849,7 @@ def consumers(o: KitOptions) -> Json:
 def all_dashboards(o: KitOptions) -> dict[str, Json]:
     """File name -> dashboard JSON."""
     return {
-        "pipeline-overview.json": overview(o),
-        "pipeline-relay.json": relay(o),
-        "pipeline-consumers.json": consumers(o),
+        "pipeline-overview.json": _group_matchers(overview(o), o),
+        "pipeline-relay.json": _group_matchers(relay(o), o),
+        "pipeline-consumers.json": _group_matchers(consumers(o), o),
     }

@@ -1,7 +1,8 @@
 """Grafana dashboard JSON, built from plain dictionaries (current schema, version 39).
 
 Only what the pipeline's dashboards use: a ``datasource`` variable, ``job`` and
-``instance`` query variables (multi-select, "All" matching ``.+``), time series and
+``instance`` query variables (multi-select, "All" matching ``.+``, labelled as Grafana's
+dashboard-linter expects), read-only dashboards (its ``uneditable-dashboard`` rule), time series and
 stat panels in rows, panel links and data links. Panel ids and grid positions are
 assigned in order, so a dashboard is a list of rows and panels, nothing more.
 """
@@ -73,7 +74,7 @@ def datasource_variable() -> Json:
         "current": {},
         "hide": 0,
         "includeAll": False,
-        "label": "Data Source",
+        "label": "Data source",
         "multi": False,
         "name": "datasource",
         "options": [],
@@ -251,7 +252,7 @@ def dashboard(
             ]
         },
         "description": description,
-        "editable": True,
+        "editable": False,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,
         "id": None,

@@ -1,4 +1,4 @@
-"""Write the ops kit's files: rule files (YAML) and dashboards (JSON).
+"""Write the ops kit's files: rule files (YAML), dashboards (JSON) and runbooks (Markdown).
 
 ``render_kit`` returns file contents by relative path, so the tests can compare them
 with the committed files and ``pipeline demo`` can write a rendered copy of its own.
@@ -15,6 +15,7 @@ import yaml
 from pipeline.tools.opskit.dashboards import all_dashboards
 from pipeline.tools.opskit.options import KitOptions
 from pipeline.tools.opskit.rules import alert_rule_file, recording_rule_file
+from pipeline.tools.opskit.runbooks import render_runbooks
 
 RECORDING_RULES = "alerts/pipeline-recording-rules.yaml"
 ALERT_RULES = "alerts/pipeline-alerts.yaml"
@@ -55,6 +56,7 @@ def render_kit(options: KitOptions) -> dict[str, str]:
     files = render_rule_files(options)
     for name, board in all_dashboards(options).items():
         files[f"dashboards/{name}"] = json.dumps(board, indent=2) + "\n"
+    files.update(render_runbooks(options))
     return files
 
 

@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from textwrap import dedent
 from typing import Any
 
-from pipeline.tools.opskit.options import CONSUMERS_UID, OVERVIEW_UID, RELAY_UID, KitOptions
+from pipeline.tools.opskit.options import (
+    CONSUMERS_UID,
+    OVERVIEW_UID,
+    RELAY_UID,
+    KitOptions,
+    number,
+)
 
 Rule = dict[str, Any]
 RuleFile = dict[str, list[dict[str, Any]]]
@@ -70,12 +76,33 @@ def recording_names(o: KitOptions) -> dict[str, str]:
     return names
 
 
-def _ratio(o: KitOptions, part: str, other: str, window: str, *labels: str) -> str:
-    """``part / (part + other)`` over ``window``; ``other`` may have no series yet."""
+TINY = "1e-9"
+"""The smallest denominator of a ratio: 0/0 reads 0, never NaN, and a ratio stays <= 1."""
+
+
+def _ratio(o: KitOptions, part: str, others: tuple[str, ...], window: str, *labels: str) -> str:
+    """``part / (part + others)`` over ``window``, every counter in the same unit.
+
+    Any of ``others`` may have no series yet (``or`` falls back to those that exist); the
+    denominator is clamped above 0, so an idle system reads 0 rather than NaN and the
+    ratio can never exceed 1 (``part`` is in the denominator) or be infinite."""
     by = o.by(*labels)
-    a = f"sum{by} (rate({part}{{{o.pipeline}}}[{window}]))"
-    b = f"sum{by} (rate({other}{{{o.pipeline}}}[{window}]))"
-    return f"{a}\n/\n(\n  {a}\n  + {b}\n  or {a}\n)"
+
+    def rate(metric: str) -> str:
+        return f"sum{by} (rate({metric}{{{o.pipeline}}}[{window}]))"
+
+    a = rate(part)
+    rest = [rate(other) for other in others]
+    if len(rest) == 1:
+        other = rest[0]
+    else:
+        alone = "".join(f"\n    or {r}" for r in rest)
+        other = "(\n    " + "\n    + ".join(rest) + alone + "\n  )"
+    return f"{a}\n/\nclamp_min(\n  {a}\n  + {other}\n  or {a},\n  {TINY}\n)"
+
+
+PUBLISH_OUTCOMES = ("pipeline_events_published_total", "pipeline_events_unrouted_total")
+"""Per-event outcomes of a claim that is not a failure: both count an event once."""
 
 
 def recording_rules(o: KitOptions) -> list[Rule]:
@@ -88,17 +115,14 @@ def recording_rules(o: KitOptions) -> list[Rule]:
         },
         {
             "record": n["publish_failure_ratio"],
-            "expr": (
-                f"sum{o.by()} (rate(pipeline_publish_failures_total{{{p}}}[5m]))\n/\n"
-                f"sum{o.by()} (rate(pipeline_publish_attempts_total{{{p}}}[5m]))"
-            ),
+            "expr": _ratio(o, "pipeline_publish_failures_total", PUBLISH_OUTCOMES, "5m"),
         },
         {
             "record": n["consumer_failure_ratio"],
             "expr": _ratio(
                 o,
                 "pipeline_inbox_failures_total",
-                "pipeline_inbox_processed_total",
+                ("pipeline_inbox_processed_total",),
                 "5m",
                 "consumer",
             ),
@@ -108,7 +132,7 @@ def recording_rules(o: KitOptions) -> list[Rule]:
             "expr": _ratio(
                 o,
                 "pipeline_inbox_duplicates_total",
-                "pipeline_inbox_processed_total",
+                ("pipeline_inbox_processed_total",),
                 "10m",
                 "consumer",
             ),
@@ -185,7 +209,7 @@ def _down(o: KitOptions, selector: str) -> str:
 
 def availability_alerts(o: KitOptions) -> list[Alert]:
     r = o.relay
-    return [
+    alerts = [
         Alert(
             "PipelineRelayDown",
             _down(o, o.relay),
@@ -275,16 +299,51 @@ def availability_alerts(o: KitOptions) -> list[Alert]:
             "gauges are missing.",
             OVERVIEW_UID,
         ),
+        Alert(
+            "PipelineStateMetricsStale",
+            f"time() - max{o.by()} (pipeline_state_metrics_last_success_timestamp_seconds{{{r}}})"
+            f" > {number(o.state_metrics_stale_seconds)}",
+            "2m",
+            "warning",
+            f"The relay's state metrics are more than {number(o.state_metrics_stale_seconds)} s "
+            "old.",
+            "The relays' state collector last read Postgres and Redis successfully "
+            "{{ $value | humanizeDuration }} ago: the backlog, dead-letter, queue-depth and "
+            "ledger gauges show old values. Postgres or Redis is slow or unreachable, or the "
+            "collector is stuck.",
+            RELAY_UID,
+        ),
+        Alert(
+            "PipelineStateMetricsAbsent",
+            _expr(
+                f"""
+                count{o.by()} (up{{{r}}} == 1)
+                unless{o.on()}
+                count{o.by()} (pipeline_state_metrics_last_success_timestamp_seconds{{{r}}})
+                """
+            ),
+            "5m",
+            "warning",
+            "Relays are up but none exports the state metrics.",
+            "{{ $value }} relay targets answer scrapes, yet none has exported "
+            "pipeline_state_metrics_last_success_timestamp_seconds for 5 minutes: every running "
+            "relay has --no-state-metrics (the one without it died), or runs a version without "
+            "state metrics. The backlog, dead-letter, queue-depth and ledger gauges and their "
+            "alerts are missing.",
+            RELAY_UID,
+        ),
     ]
+    listener = {"PipelineRelayListenerDown", "PipelineNotificationsMissing"}
+    return [alert for alert in alerts if o.listen or alert.name not in listener]
 
 
 def flow_alerts(o: KitOptions) -> list[Alert]:
     n = recording_names(o)
     p = o.pipeline
-    return [
+    alerts = [
         Alert(
             "PipelineOutboxBacklogGrowing",
-            f"{n['backlog']} > 1000\nand\nderiv({n['backlog']}[15m]) > 0",
+            f"{n['backlog']} > {number(o.backlog_threshold)}\nand\nderiv({n['backlog']}[15m]) > 0",
             "15m",
             "warning",
             "The outbox backlog keeps growing.",
@@ -294,10 +353,12 @@ def flow_alerts(o: KitOptions) -> list[Alert]:
         ),
         Alert(
             "PipelineOldestPendingEventTooOld",
-            f"max{o.by()} (pipeline_outbox_oldest_pending_age_seconds{{{p}}}) > 600",
+            f"max{o.by()} (pipeline_outbox_oldest_pending_age_seconds{{{p}}}) "
+            f"> {number(o.oldest_pending_seconds)}",
             "5m",
             "warning",
-            "An outbox event has waited more than 10 minutes to be published.",
+            f"An outbox event has waited more than {number(o.oldest_pending_seconds)} s to be "
+            "published.",
             "The oldest unsent outbox event is {{ $value | humanizeDuration }} old: publishing "
             "is stuck or an event keeps failing (it also holds back later events of its "
             "ordering key).",
@@ -305,13 +366,14 @@ def flow_alerts(o: KitOptions) -> list[Alert]:
         ),
         Alert(
             "PipelinePublishFailureRatioHigh",
-            f"{n['publish_failure_ratio']} > 0.05",
+            f"{n['publish_failure_ratio']} > {number(o.publish_failure_ratio)}",
             "10m",
             "warning",
-            "More than 5% of publish attempts fail.",
-            "{{ $value | humanizePercentage }} of delivery attempts to the broker failed over "
-            "the last 5 minutes; failed events are retried with backoff and dead-lettered "
-            "after PIPELINE_PUBLISH_MAX_ATTEMPTS.",
+            f"More than {o.publish_failure_ratio:.0%} of publish attempts fail.",
+            "{{ $value | humanizePercentage }} of the events the relays tried to publish over "
+            "the last 5 minutes failed (an event counts once per attempt, whatever its number "
+            "of consumers); failed events are retried with backoff and dead-lettered after "
+            "PIPELINE_PUBLISH_MAX_ATTEMPTS.",
             RELAY_UID,
         ),
         Alert(
@@ -327,10 +389,10 @@ def flow_alerts(o: KitOptions) -> list[Alert]:
         ),
         Alert(
             "PipelineConsumerFailureRatioHigh",
-            f"{n['consumer_failure_ratio']} > 0.25",
+            f"{n['consumer_failure_ratio']} > {number(o.consumer_failure_ratio)}",
             "10m",
             "warning",
-            "A consumer's handler fails more than a quarter of its attempts.",
+            f"A consumer's handler fails more than {o.consumer_failure_ratio:.0%} of its attempts.",
             "Consumer {{ $labels.consumer }} failed {{ $value | humanizePercentage }} of its "
             "handler attempts over the last 5 minutes; its events are retried with backoff "
             "and dead-lettered when retries run out.",
@@ -339,7 +401,8 @@ def flow_alerts(o: KitOptions) -> list[Alert]:
         ),
         Alert(
             "PipelineConsumerQueueGrowing",
-            f"{n['queue_depth']} > 100\nand\nderiv({n['queue_depth']}[15m]) > 0",
+            f"{n['queue_depth']} > {number(o.queue_depth_threshold)}\n"
+            f"and\nderiv({n['queue_depth']}[15m]) > 0",
             "15m",
             "warning",
             "A consumer queue keeps growing.",
@@ -350,7 +413,7 @@ def flow_alerts(o: KitOptions) -> list[Alert]:
         ),
         Alert(
             "PipelineRedeliveriesSpiking",
-            f"{n['redeliveries']} > 0.05",
+            f"{n['redeliveries']} > {number(o.redeliveries_per_second)}",
             "5m",
             "warning",
             "The relay is re-delivering events a consumer never finished.",
@@ -362,7 +425,7 @@ def flow_alerts(o: KitOptions) -> list[Alert]:
         ),
         Alert(
             "PipelineDuplicateRatioHigh",
-            f"{n['duplicate_ratio']} > 0.25",
+            f"{n['duplicate_ratio']} > {number(o.duplicate_ratio)}",
             "15m",
             "warning",
             "A consumer receives many duplicate deliveries.",
@@ -388,18 +451,43 @@ def flow_alerts(o: KitOptions) -> list[Alert]:
             "PipelineCanaryStale",
             _expr(
                 f"""
-                time() - max{o.by()} (pipeline_canary_last_success_timestamp_seconds{{{p}}}) > 120
+                time() - max{o.by()} (pipeline_canary_last_success_timestamp_seconds{{{p}}})
+                > {number(o.canary_stale_seconds)}
                 """
             ),
             "2m",
             "critical",
-            "No canary event has crossed the pipeline for over 2 minutes.",
+            "No canary event has crossed the pipeline for over "
+            f"{number(o.canary_stale_seconds)} s.",
             "The last canary event completed the whole path {{ $value | humanizeDuration }} "
             "ago (a very large value means never since the workers started). Something "
             "between the relay's insert and the worker's handler is stuck.",
             OVERVIEW_UID,
         ),
+        Alert(
+            "PipelineEventsUnrouted",
+            _expr(
+                f"""
+                sum{o.by("event_type")} (increase(pipeline_events_unrouted_total{{{p}}}[10m])) > 0
+                or
+                sum{o.by("event_type")} (
+                  pipeline_events_unrouted_total{{{p}}}
+                  unless
+                  pipeline_events_unrouted_total{{{p}}} offset 10m
+                ) > 0
+                """
+            ),
+            "1m",
+            "warning",
+            "Events were marked sent although no consumer subscribes to their type.",
+            "{{ $value | humanize }} events of type {{ $labels.event_type }} went to no consumer "
+            "in the last 10 minutes: a relay or publishing worker runs without the "
+            "PIPELINE_APP_MODULES that register their consumers, or a consumer was removed. "
+            "Nothing re-sends them by itself.",
+            RELAY_UID,
+        ),
     ]
+    return [alert for alert in alerts if o.canary or alert.name != "PipelineCanaryStale"]
 
 
 def slo_alerts(o: KitOptions) -> list[Alert]:
