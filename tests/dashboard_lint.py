@@ -1,10 +1,18 @@
 """A dashboard linter after Grafana's dashboard-linter rules, plus the pipeline's own.
 
-``lint(board)`` returns one line per problem (empty when the dashboard is clean):
+dashboard-linter is a Go program (github.com/grafana/dashboard-linter, not on PyPI or
+npm): its rules, as its lint/rule_*.go files state them, are encoded here, errors and
+warnings alike. ``lint(board)`` returns one line per problem (empty when clean):
 
-* template-datasource: one ``datasource`` variable of type datasource for Prometheus;
+* uneditable-dashboard: ``editable`` is false;
+* template-datasource: one datasource variable for Prometheus, named ``datasource`` and
+  labelled ``Data source`` (or ``prometheus_datasource`` / ``Prometheus data source``);
 * template-job / template-instance: ``job`` and ``instance`` query variables on
-  ``$datasource``, multi-select, "All" = ``.+``;
+  ``$datasource``, multi-select, "All" = ``.+``, labelled ``Job`` and ``Instance``;
+* template-on-time-change-reload: every query variable refreshes on time range change
+  (``refresh`` 2);
+* template-label-promql: every query variable is ``label_values(...)`` (or
+  ``label_names``, ``metrics``, ``query_result``);
 * panel-datasource, panel-title-description, panel-units, panel-no-targets;
 * target-job / target-instance: every selector filters on ``job=~"$job"`` and
   ``instance=~"$instance"``;
@@ -53,12 +61,19 @@ def _uses_datasource_variable(ref: Any) -> bool:
 
 def lint_templates(board: dict[str, Any]) -> list[str]:
     problems = []
+    if board.get("editable", True):
+        problems.append("uneditable-dashboard: is editable, it should be set to 'editable: false'")
     variables = _variables(board)
     sources = [v for v in variables.values() if v.get("type") == "datasource"]
-    if len(sources) != 1 or sources[0]["name"] != "datasource":
-        problems.append("template-datasource: want exactly one variable 'datasource'")
-    elif sources[0].get("query") != "prometheus" or sources[0].get("label") != "Data Source":
-        problems.append("template-datasource: query 'prometheus', label 'Data Source'")
+    if len(sources) != 1:
+        problems.append("template-datasource: want exactly one data source variable")
+    for source in sources:
+        if source.get("query") != "prometheus":
+            problems.append("template-datasource: query 'prometheus'")
+        if source["name"] not in ("datasource", "prometheus_datasource"):
+            problems.append(f"template-datasource: variable named {source['name']!r}")
+        if source.get("label") not in ("Data source", "Prometheus data source"):
+            problems.append(f"template-datasource: labeled {source.get('label')!r}")
     for name in ("job", "instance"):
         variable = variables.get(name)
         if variable is None:
@@ -70,10 +85,19 @@ def lint_templates(board: dict[str, Any]) -> list[str]:
             problems.append(f"template-{name}: a query variable on $datasource")
         if not variable.get("multi") or variable.get("allValue") != ".+":
             problems.append(f"template-{name}: multi-select with allValue '.+'")
-        if variable.get("label") != name:
-            problems.append(f"template-{name}: label must be '{name}'")
-        if not _query_text(variable).startswith("label_values("):
-            problems.append(f"template-{name}: want a label_values() query")
+        if variable.get("label") != name.title():
+            problems.append(f"template-{name}: label must be '{name.title()}'")
+    for variable in variables.values():
+        if variable.get("type") != "query":
+            continue
+        if variable.get("refresh") != 2:
+            problems.append(
+                f"template-on-time-change-reload: {variable['name']!r} refresh must be 2"
+            )
+        if not re.fullmatch(
+            r"(label_values|label_names|metrics|query_result)\((.+)\)", _query_text(variable)
+        ):
+            problems.append(f"template-label-promql: {variable['name']!r} query")
     return problems
 
 

@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from pipeline.tools.harness.embedded import free_port
+from pipeline.tools.opskit import KitOptions
 from tests.support import ROOT, wait_until
 
 ALERTS_DIR = ROOT / "alerts"
@@ -50,6 +51,23 @@ def tool(name: str) -> str:
 
 
 # -- the committed kit ----------------------------------------------------------------------
+
+URL = re.compile(r"""(?:https?|file)://[^\s"'`<>)\]]+""")
+
+
+def runbook_page(url: str, options: KitOptions, root: Path = ROOT) -> Path | None:
+    """The rendered page a runbook URL of ``options`` names (under ``root/runbooks``), or
+    None when ``url`` is not a runbook URL of that configuration."""
+    prefix, suffix = options.runbook_url.split("{name}")
+    url = url.split("#", 1)[0]
+    if not (url.startswith(prefix) and url.endswith(suffix)):
+        return None
+    name = url[len(prefix) : len(url) - len(suffix)]
+    return root / "runbooks" / f"{name}.md" if re.fullmatch(r"[A-Za-z-]+", name) else None
+
+
+def urls_in(text: str) -> list[str]:
+    return URL.findall(text)
 
 
 def rule_groups() -> list[dict[str, Any]]:
@@ -165,6 +183,9 @@ def shortened_rules(
         for rule in group["rules"]:
             rule["expr"] = re.sub(
                 r"\[(\d+[smhd])\]", lambda m: f"[{_scaled(m.group(1), 10)}]", rule["expr"]
+            )
+            rule["expr"] = re.sub(
+                r"offset (\d+[smhd])", lambda m: f"offset {_scaled(m.group(1), 10)}", rule["expr"]
             )
             if "for" in rule:
                 rule["for"] = _scaled(rule["for"], 2, for_scale)

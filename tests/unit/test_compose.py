@@ -168,7 +168,7 @@ def test_pipeline_settings_exist_and_traces_go_to_jaeger():
         for key in environment:
             if key.startswith(ENV_PREFIX) and not key.startswith("PIPELINE_DEMO_"):
                 assert key.removeprefix(ENV_PREFIX).lower() in fields, f"{name}: unknown {key}"
-        if "build" in service and name != "payment-api":
+        if "build" in service and name not in ("payment-api", "alert-receiver"):
             assert environment["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://jaeger:4318"
             assert environment["OTEL_TRACES_EXPORTER"] == "otlp"
     assert SERVICES["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"
@@ -294,3 +294,58 @@ def test_grafana_provisions_the_datasource_and_the_dashboards():
     directory, name = home.rsplit("/", 1)
     assert directory == provider["options"]["path"]
     assert (ROOT / "dashboards" / name).is_file()
+
+
+def alertmanager_config() -> dict[str, Any]:
+    mounts = bind_mounts(SERVICES["alertmanager"])
+    return dict(yaml.safe_load(mounts["/etc/alertmanager/alertmanager.yml"].read_text()))
+
+
+def test_alertmanager_config_passes_amtool():
+    from tests.opskit_support import tool
+
+    mounts = bind_mounts(SERVICES["alertmanager"])
+    result = subprocess.run(
+        [tool("amtool"), "check-config", str(mounts["/etc/alertmanager/alertmanager.yml"])],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_inhibitions_are_by_severity_and_cause_and_never_cross_deployments():
+    rules = alertmanager_config()["inhibit_rules"]
+    assert any(
+        'severity = "critical"' in r["source_matchers"][0]
+        and "warning" in " ".join(r["target_matchers"])
+        for r in rules
+    )
+    for rule in rules:
+        assert rule.get("equal"), rule  # without equal, one deployment mutes every other
+
+
+def test_receivers_post_to_the_example_webhook_service():
+    config = alertmanager_config()
+    for receiver in config["receivers"]:
+        [webhook] = receiver["webhook_configs"]
+        url = webhook["url"]
+        host, port = url.split("//", 1)[1].split("/", 1)[0].split(":")
+        assert host in SERVICES, url
+        assert f"--port {port}" in " ".join(argv(SERVICES[host])), url
+    assert SERVICES["alertmanager"]["depends_on"]["alert-receiver"]
+
+
+def test_the_runbooks_service_serves_the_rendered_pages_at_the_kits_base_url():
+    from pipeline.tools.opskit import KitOptions
+
+    runbooks = SERVICES["runbooks"]
+    mounts = bind_mounts(runbooks)
+    assert ROOT / "runbooks" in mounts.values()
+    [published] = runbooks["ports"]
+    base = KitOptions().runbook("README").removesuffix("/README.md")
+    assert base == f"http://localhost:{published.rsplit(':', 1)[1]}"
+    conf = mounts["/etc/nginx/conf.d/default.conf"].read_text()
+    assert f"listen {published.rsplit(':', 1)[1]};" in conf
+    root = re.search(r"root (\S+);", conf)
+    assert root and mounts[root.group(1)] == ROOT / "runbooks"

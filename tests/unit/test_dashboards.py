@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.tools.opskit import KitOptions
 from tests.dashboard_lint import lint, lint_expression
 from tests.opskit_support import (
     DASHBOARD_FILES,
@@ -17,8 +18,8 @@ from tests.opskit_support import (
     dashboards,
     panel_queries,
     panels,
+    runbook_page,
 )
-from tests.support import ROOT
 
 EXPECTED_UIDS = {
     "pipeline-overview.json": "pipeline-overview",
@@ -53,8 +54,14 @@ def test_the_linter_finds_what_it_checks():
     first["description"] = ""
     first["datasource"] = {"type": "prometheus", "uid": "prom-1"}
     board["templating"]["list"] = [v for v in board["templating"]["list"] if v["name"] != "job"]
+    board["editable"] = True
+    instance = next(v for v in board["templating"]["list"] if v["name"] == "instance")
+    instance["label"], instance["refresh"] = "instance", 1
     problems = "\n".join(lint(board))
     for rule in (
+        "uneditable-dashboard",
+        "template-instance: label must be 'Instance'",
+        "template-on-time-change-reload: 'instance'",
         "template-job: no 'job' variable",
         "target-instance: pipeline_events_published_total",
         "target-rate-interval: range [5m]",
@@ -110,8 +117,8 @@ def test_counters_and_ranges_follow_the_rules_in_every_query():
 
 
 def test_links_resolve():
-    """Runbook links are relative to the repository and name existing pages; trace links use
-    the trace_ui variable."""
+    """Runbook links are absolute URLs of the configured base and name pages that exist;
+    trace links use the trace_ui variable."""
     for board in dashboards().values():
         urls = [link["url"] for link in board["links"] if link["type"] == "link"]
         for panel in panels(board):
@@ -120,9 +127,35 @@ def test_links_resolve():
                 assert link["url"].startswith("${trace_ui}/search?"), link
         assert urls
         for url in urls:
-            assert re.fullmatch(r"runbooks/[A-Za-z-]+\.md", url), url
-            assert (ROOT / url).is_file(), url
+            page = runbook_page(url, KitOptions())
+            assert page is not None, f"not a runbook URL of the default base: {url}"
+            assert page.is_file(), url
     assert RUNBOOKS_DIR.is_dir()
+
+
+def test_no_phantom_zero_series():
+    """A fallback 0 only where the query has no series at all (``or on() vector(0)``):
+    ``sum by (x) (...) or vector(0)`` would add an unlabelled 0 series for good."""
+    for query in panel_queries():
+        assert not re.search(r"or vector\(0\)", query.expr), query
+
+
+def test_ratios_never_divide_by_zero():
+    ratios = [
+        q
+        for board in dashboards().values()
+        for panel in panels(board)
+        if panel["fieldConfig"]["defaults"]["unit"] == "percentunit" and "SLO" not in panel["title"]
+        for q in panel["targets"]
+    ]
+    assert len(ratios) >= 5
+    for target in ratios:
+        assert "clamp_min(" in target["expr"], target["expr"]
+    overview = dashboards()["pipeline-overview.json"]
+    [publish] = [p for p in panels(overview) if p["title"] == "Publish failure ratio"]
+    expr = publish["targets"][0]["expr"]
+    assert "pipeline_publish_attempts_total" not in expr  # per delivery: another unit
+    assert "pipeline_events_published_total" in expr
 
 
 def test_dashboard_files_are_pretty_printed_json():

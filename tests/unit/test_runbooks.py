@@ -1,5 +1,6 @@
 """Runbooks: a page per alert with the required sections, the playbooks, working links,
-PromQL that parses, and `pipeline` commands that the CLI accepts."""
+PromQL that parses, `pipeline` commands that the CLI accepts, and a last section that
+verifies recovery with the alert's own condition."""
 
 from __future__ import annotations
 
@@ -9,11 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.opskit_support import RUNBOOKS_DIR, alert_rules, check_rule_expressions, runbook_steps
-from tests.support import ROOT
+from pipeline.tools.opskit import KitOptions
+from tests.opskit_support import (
+    RUNBOOKS_DIR,
+    alert_rules,
+    check_rule_expressions,
+    runbook_page,
+    runbook_steps,
+    urls_in,
+)
 from tests.unit.test_compose import check_pipeline_command
 
-SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation", "Escalation")
+SECTIONS = ("Meaning", "Impact", "Diagnosis", "Mitigation", "Escalation", "Verify recovery")
+KIT = KitOptions()
 PLAYBOOKS = (
     "relay-down",
     "broker-down",
@@ -48,15 +57,15 @@ def test_every_alert_has_a_page_and_every_page_an_index_entry():
     assert {p.stem for p in PAGES} == names | set(PLAYBOOKS)  # no orphan pages
     index = (RUNBOOKS_DIR / "README.md").read_text()
     for page in PAGES:
-        assert f"]({page.name})" in index, page.name
+        assert f"]({KIT.runbook(page.stem)})" in index, page.name
 
 
 def test_every_runbook_url_resolves_to_a_page_with_the_required_sections():
     for rule in alert_rules():
         url = rule["annotations"]["runbook_url"]
-        assert url == f"runbooks/{rule['alert']}.md"
-        page = ROOT / url
-        assert page.is_file(), url
+        assert url == KIT.runbook(rule["alert"])
+        page = runbook_page(url, KIT)
+        assert page is not None and page.is_file(), url
         assert page.read_text().startswith(f"# {rule['alert']}\n")
         assert [h for h in headings(page) if h in SECTIONS] == list(SECTIONS), url
 
@@ -65,8 +74,7 @@ def test_every_runbook_url_resolves_to_a_page_with_the_required_sections():
 def test_page_sections_and_diagnosis_content(page):
     found = headings(page)
     assert [h for h in found if h in SECTIONS] == list(SECTIONS)
-    if page.stem in PLAYBOOKS:
-        assert "Verify" in found
+    assert found[-1] == "Verify recovery", "every page ends with how to verify recovery"
     diagnosis = page.read_text().split("## Diagnosis", 1)[1].split("\n## ", 1)[0]
     assert "```promql" in diagnosis, "Diagnosis needs the exact PromQL"
     assert re.search(r"^\s*pipeline \w+", diagnosis, re.MULTILINE), "and pipeline commands"
@@ -74,9 +82,40 @@ def test_page_sections_and_diagnosis_content(page):
 
 
 def test_links_between_pages_resolve():
+    """Links between pages are absolute runbook URLs (a page opened from Grafana or copied
+    into a wiki still links), each to a page that exists; no relative link is left."""
     for page in [*PAGES, RUNBOOKS_DIR / "README.md"]:
-        for target in re.findall(r"\]\(([^)#:]+\.md)\)", page.read_text()):
-            assert (page.parent / target).is_file(), f"{page.name} links {target}"
+        text = page.read_text()
+        assert not re.findall(r"\]\((?![a-z]+://)[^)]*\)", text), page.name
+        for url in urls_in(text):
+            target = runbook_page(url, KIT)
+            if target is not None:
+                assert target.is_file(), f"{page.name} links {url}"
+
+
+def test_every_alert_page_verifies_recovery_with_its_own_condition():
+    """The last section of an alert's page shows that alert's expression as rendered (the
+    condition that fired it, not every problem at once)."""
+    for rule in alert_rules():
+        page = RUNBOOKS_DIR / f"{rule['alert']}.md"
+        verify = page.read_text().split("\n## Verify recovery\n", 1)[1]
+        assert rule["expr"] in verify, rule["alert"]
+
+
+def test_the_dead_letters_page_lists_the_alerts_stage_however_old():
+    text = (RUNBOOKS_DIR / "PipelineDeadLettersWaiting.md").read_text()
+    assert 'pipeline dlq list --stage "$STAGE" --waiting' in text
+    assert "--since" not in text
+
+
+def test_relay_down_waits_on_the_backlog_only_and_curl_fails_loudly():
+    [wait] = [step for step in runbook_steps("relay-down") if "timeout" in step]
+    assert "oldest_pending_age_seconds" in wait
+    assert "until pipeline status --max-pending-age" not in wait
+    for page in PAGES:
+        for line in page.read_text().splitlines():
+            if "curl " in line:
+                assert "curl -sS --fail " in line, f"{page.name}: {line}"
 
 
 def test_every_promql_block_parses(tmp_path):
@@ -85,7 +124,11 @@ def test_every_promql_block_parses(tmp_path):
     check_rule_expressions(exprs, tmp_path)
 
 
-EXAMPLES = {"EVENT_ID": "0190c5a4-0000-7000-8000-000000000001", "DEAD_LETTER_ID": "41"}
+EXAMPLES = {
+    "EVENT_ID": "0190c5a4-0000-7000-8000-000000000001",
+    "DEAD_LETTER_ID": "41",
+    "STAGE": "consume",
+}
 
 
 def example(match: re.Match[str]) -> str:
@@ -102,7 +145,7 @@ def pipeline_commands() -> list[tuple[str, list[str]]]:
                 if line.startswith("pipeline "):
                     found.append((page.stem, shlex.split(line)[1:]))
                 elif "pipeline " in line:  # inside sh -c '...' or after nohup
-                    for inner in re.findall(r"(?:^|[\s'])pipeline ([^;'&>]+)", line):
+                    for inner in re.findall(r"(?:^|[\s'(])pipeline ([^;'&>|)]+)", line):
                         found.append((page.stem, shlex.split(inner)))
     return found
 
