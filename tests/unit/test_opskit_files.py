@@ -268,3 +268,17 @@ def test_group_labels_reach_rules_and_dashboards():
                     assert selector.endswith('cluster=~"$cluster", namespace=~"$namespace", ')
     recording = files["alerts/pipeline-recording-rules.yaml"]
     assert "cluster_namespace:pipeline_outbox_backlog:sum" in recording
+
+
+def test_event_types_unrouted_on_purpose_are_left_out_of_the_unrouted_alert(tmp_path):
+    assert render("--out", str(tmp_path), "--allowed-unrouted-type", "audit.noted") == (0, "")
+    alerts = yaml.safe_load((tmp_path / "alerts" / "pipeline-alerts.yaml").read_text())
+    [rule] = [
+        r
+        for g in alerts["groups"]
+        for r in g["rules"]
+        if r.get("alert") == "PipelineEventsUnrouted"
+    ]
+    assert rule["expr"].count('event_type!~"audit[.]noted"') == 3
+    code, err = render("--out", str(tmp_path), "--allowed-unrouted-type", 'a"b')
+    assert code == 2 and "event type" in err

@@ -91,6 +91,13 @@ def kit_options(command: Callable[..., Any]) -> Callable[..., Any]:
             default=None,
             help="Relays run with --no-listen: no alerts about their LISTEN connection.",
         ),
+        click.option(
+            "--allowed-unrouted-type",
+            "allowed_unrouted_types",
+            multiple=True,
+            help="An event type sent to no consumer on purpose (relays run with "
+            "--allow-unrouted): the unrouted-events alert ignores it (repeatable).",
+        ),
         *(
             click.option("--" + name.replace("_", "-"), name, type=float, default=None, help=text)
             for name, text in THRESHOLD_FLAGS.items()
@@ -112,8 +119,9 @@ def build_options(ctx: click.Context, values: dict[str, Any]) -> Any:
         if "runbook_url" in given:
             raise click.UsageError("give --runbook-base-url or --runbook-url, not both", ctx)
         given["runbook_url"] = runbook_url_for_base(base)
-    if "group_labels" in given:
-        given["group_labels"] = tuple(given["group_labels"])
+    for name in ("group_labels", "allowed_unrouted_types"):
+        if name in given:
+            given[name] = tuple(given[name])
     try:
         return KitOptions(**given)
     except ValueError as exc:

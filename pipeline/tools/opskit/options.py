@@ -65,7 +65,9 @@ class KitOptions:
     ``namespace`` or ``cluster`` when one Prometheus watches several deployments).
     ``canary=False`` (relays run with ``PIPELINE_CANARY_INTERVAL=0``) drops the canary
     alert and panels; ``listen=False`` (relays run with ``--no-listen``) drops the alerts
-    about the LISTEN connection: no alert fires forever by design.
+    about the LISTEN connection; ``allowed_unrouted_types`` are event types sent to no
+    consumer on purpose (relays run with ``--allow-unrouted``), which the unrouted-events
+    alert ignores: no alert fires forever by design.
     """
 
     relay_job: str = "pipeline-relay"
@@ -78,6 +80,7 @@ class KitOptions:
     latency_slo_target: float = 0.99
     canary: bool = True
     listen: bool = True
+    allowed_unrouted_types: tuple[str, ...] = ()
     backlog_threshold: float = 1000
     oldest_pending_seconds: float = 600
     publish_failure_ratio: float = 0.05
@@ -92,6 +95,9 @@ class KitOptions:
         for job in (self.relay_job, self.worker_job):
             if not _LABEL_VALUE.match(job):
                 raise ValueError(f"job name {job!r}: use letters, digits and _.:/-")
+        for event_type in self.allowed_unrouted_types:
+            if not _LABEL_VALUE.match(event_type):
+                raise ValueError(f"event type {event_type!r}: use letters, digits and _.:/-")
         for label in self.group_labels:
             if not _LABEL_NAME.match(label) or label in ("job", "instance", "le"):
                 raise ValueError(f"group label {label!r} is not a usable label name")
@@ -127,6 +133,14 @@ class KitOptions:
     def pipeline(self) -> str:
         """Label matchers of every pipeline target (relays and workers)."""
         return f'job=~"{self.jobs_regex}"'
+
+    @property
+    def routed_only(self) -> str:
+        """Matchers that leave out the event types sent to no consumer on purpose."""
+        if not self.allowed_unrouted_types:
+            return ""
+        types = "|".join(t.replace(".", "[.]") for t in self.allowed_unrouted_types)
+        return f', event_type!~"{types}"'
 
     @property
     def jobs_regex(self) -> str:

@@ -340,6 +340,7 @@ def availability_alerts(o: KitOptions) -> list[Alert]:
 def flow_alerts(o: KitOptions) -> list[Alert]:
     n = recording_names(o)
     p = o.pipeline
+    u = p + o.routed_only  # event types sent to no consumer on purpose are left out
     alerts = [
         Alert(
             "PipelineOutboxBacklogGrowing",
@@ -468,12 +469,12 @@ def flow_alerts(o: KitOptions) -> list[Alert]:
             "PipelineEventsUnrouted",
             _expr(
                 f"""
-                sum{o.by("event_type")} (increase(pipeline_events_unrouted_total{{{p}}}[10m])) > 0
+                sum{o.by("event_type")} (increase(pipeline_events_unrouted_total{{{u}}}[10m])) > 0
                 or
                 sum{o.by("event_type")} (
-                  pipeline_events_unrouted_total{{{p}}}
+                  pipeline_events_unrouted_total{{{u}}}
                   unless
-                  pipeline_events_unrouted_total{{{p}}} offset 10m
+                  pipeline_events_unrouted_total{{{u}}} offset 10m
                 ) > 0
                 """
             ),
