@@ -282,3 +282,27 @@ def test_event_types_unrouted_on_purpose_are_left_out_of_the_unrouted_alert(tmp_
     assert rule["expr"].count('event_type!~"audit[.]noted"') == 3
     code, err = render("--out", str(tmp_path), "--allowed-unrouted-type", 'a"b')
     assert code == 2 and "event type" in err
+
+
+def test_the_demos_prometheus_setup_writes_the_kit_its_links_open(tmp_path):
+    """`pipeline demo --keep-running` writes rules, dashboards and runbooks from the package
+    (no checkout needed); every runbook link is a file:// URL of a page written there."""
+    from pipeline.tools.demo.prometheus import kit_options, write_prometheus_setup
+
+    setup = write_prometheus_setup(
+        tmp_path / "prometheus", "http://127.0.0.1:9464/metrics", "http://127.0.0.1:9465/metrics"
+    )
+    root = (tmp_path / "prometheus").resolve()
+    assert all(path.is_file() for path in setup.rules)
+    assert sorted(p.name for p in setup.dashboards.glob("*.json")) == [
+        "pipeline-consumers.json",
+        "pipeline-overview.json",
+        "pipeline-relay.json",
+    ]
+    files = {
+        str(path.relative_to(root)): path.read_text()
+        for path in root.rglob("*")
+        if path.is_file() and path.name != "prometheus.yml"
+    }
+    assert check_runbook_urls(files, kit_options(root), root) > 100
+    assert f"import {setup.dashboards}/*.json" in " ".join(setup.instructions())

@@ -1,9 +1,9 @@
 """A ready Prometheus set-up for ``pipeline demo --keep-running``.
 
-Writes a ``prometheus.yml`` that scrapes the demo's relay and workers under the ops kit's
-job names and loads the kit's recording rules and alerts (rendered next to it), and says
-how to start Prometheus on it. When the demo runs from a checkout, the alerts' runbook
-links point at the checkout's ``runbooks/`` pages.
+Writes the ops kit (rules, dashboards and runbooks, rendered from the installed package:
+no checkout needed) and a ``prometheus.yml`` that scrapes the demo's relay and workers
+under the kit's job names and loads its rules, and says how to start Prometheus on it.
+The alerts' and dashboards' runbook links point at the pages written next to them.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-import pipeline
-from pipeline.tools.opskit import KitOptions, render_rule_files
-from pipeline.tools.opskit.render import to_yaml
+from pipeline.tools.opskit import KitOptions, render_kit
+from pipeline.tools.opskit.options import runbook_url_for_base
+from pipeline.tools.opskit.render import ALERT_RULES, RECORDING_RULES, to_yaml, write_files
 
 SCRAPE_INTERVAL = "5s"
-CHECKOUT = Path(pipeline.__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -25,22 +24,21 @@ class PrometheusSetup:
     config: Path
     rules: list[Path]
     data: Path
+    dashboards: Path
 
     def instructions(self) -> list[str]:
         return [
             f"Prometheus config with the pipeline's rules: {self.config}",
             f"  start it: prometheus --config.file={self.config} "
             f"--storage.tsdb.path={self.data} --web.listen-address=127.0.0.1:9090",
-            "  then open http://127.0.0.1:9090/alerts; import dashboards/*.json into Grafana "
-            "with that Prometheus as data source (docs/operations.md)",
+            f"  then open http://127.0.0.1:9090/alerts; import {self.dashboards}/*.json into "
+            "Grafana with that Prometheus as data source (docs/operations.md)",
         ]
 
 
-def kit_options() -> KitOptions:
-    runbooks = CHECKOUT / "runbooks"
-    if (runbooks / "README.md").is_file():
-        return KitOptions(runbook_url=runbooks.as_uri() + "/{name}.md")
-    return KitOptions()
+def kit_options(directory: Path) -> KitOptions:
+    """The kit as written into ``directory``: runbook links open the pages written there."""
+    return KitOptions(runbook_url=runbook_url_for_base((directory / "runbooks").as_uri()))
 
 
 def target(metrics_url: str) -> str:
@@ -49,13 +47,11 @@ def target(metrics_url: str) -> str:
 
 
 def write_prometheus_setup(directory: Path, relay_url: str, worker_url: str) -> PrometheusSetup:
-    options = kit_options()
+    directory = directory.resolve()
+    options = kit_options(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    rules = []
-    for relative, text in render_rule_files(options).items():
-        path = directory / Path(relative).name
-        path.write_text(text)
-        rules.append(path)
+    write_files(render_kit(options), directory)
+    rules = [directory / RECORDING_RULES, directory / ALERT_RULES]
     config = {
         "global": {"scrape_interval": SCRAPE_INTERVAL, "evaluation_interval": SCRAPE_INTERVAL},
         "rule_files": [str(path) for path in rules],
@@ -66,4 +62,4 @@ def write_prometheus_setup(directory: Path, relay_url: str, worker_url: str) -> 
     }
     path = directory / "prometheus.yml"
     path.write_text(to_yaml(config))
-    return PrometheusSetup(path, rules, directory / "data")
+    return PrometheusSetup(path, rules, directory / "data", directory / "dashboards")
