@@ -140,10 +140,15 @@ def overview(o: KitOptions) -> Json:
             stat(
                 "Canary age",
                 "Seconds since a canary event last crossed the whole path (relay insert to "
-                "worker handler). Above 120 s the PipelineCanaryStale alert fires.",
+                f"worker handler). Above {o.canary_stale_seconds:g} s the PipelineCanaryStale "
+                "alert fires.",
                 "s",
                 Query(f"time() - max(pipeline_canary_last_success_timestamp_seconds{{{J}}})"),
-                thresholds=((None, "green"), (60, "orange"), (120, "red")),
+                thresholds=(
+                    (None, "green"),
+                    (o.canary_stale_seconds / 2, "orange"),
+                    (o.canary_stale_seconds, "red"),
+                ),
                 links=[_runbook(o, "PipelineCanaryStale")],
             ),
             stat(
@@ -151,7 +156,7 @@ def overview(o: KitOptions) -> Json:
                 "Outbox events not yet sent (pending and publishing).",
                 "short",
                 Query(f"sum(max by (status) (pipeline_outbox_backlog{{{J}}}))"),
-                thresholds=((None, "green"), (1000, "orange")),
+                thresholds=((None, "green"), (o.backlog_threshold, "orange")),
                 links=[_runbook(o, "PipelineOutboxBacklogGrowing")],
             ),
             stat(
@@ -159,7 +164,11 @@ def overview(o: KitOptions) -> Json:
                 "Age of the oldest outbox event not yet sent; 0 when none waits.",
                 "s",
                 Query(f"max(pipeline_outbox_oldest_pending_age_seconds{{{J}}})"),
-                thresholds=((None, "green"), (60, "orange"), (600, "red")),
+                thresholds=(
+                    (None, "green"),
+                    (o.oldest_pending_seconds / 10, "orange"),
+                    (o.oldest_pending_seconds, "red"),
+                ),
                 links=[_runbook(o, "PipelineOldestPendingEventTooOld")],
             ),
             stat(
@@ -673,7 +682,8 @@ def consumers(o: KitOptions) -> Json:
             ),
             timeseries(
                 "Failure ratio by consumer",
-                "Share of handler attempts that raised. Above 25% for 10 minutes "
+                f"Share of handler attempts that raised. Above {o.consumer_failure_ratio:.0%} "
+                "for 10 minutes "
                 "PipelineConsumerFailureRatioHigh fires.",
                 "percentunit",
                 Query(
