@@ -1,7 +1,8 @@
 """The ops kit against a live Prometheus, live processes and live faults.
 
 One environment for the whole module: Postgres (a database of its own), a Redis of its
-own (the test restarts it), a real ``pipeline relay`` and ``pipeline worker`` running
+own (the test restarts it), a real ``pipeline relay`` (reaching Postgres through a TCP
+proxy the tests can stall) and ``pipeline worker`` running
 ``tests.apps.ops_app`` under a steady load, and a real Prometheus (its own config, port
 and data directory) scraping both and evaluating a copy of the rules whose range windows
 are 30 times shorter and ``for:`` durations 60 times (``shortened_rules``): the committed
@@ -30,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
@@ -39,7 +41,9 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, Settings, add_events, configure
+from pipeline.tools.drill.proxy import ProxyProcess
 from pipeline.tools.harness.embedded import EmbeddedRedis, free_port
+from pipeline.tools.harness.fleet import Fleet
 from pipeline.tools.opskit import KitOptions, render_rule_files
 from tests.conftest import create_database, drop_database
 from tests.opskit_support import (
@@ -89,6 +93,16 @@ class Load(threading.Thread):
                 self.produced += len(events)
 
 
+def through(url: str, port: int) -> str:
+    """``url`` with its host and port replaced by a local proxy's."""
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)
+    hostport = f"127.0.0.1:{port}"
+    return urlunsplit(
+        parts._replace(netloc=f"{netloc[0]}@{hostport}" if len(netloc) == 2 else hostport)
+    )
+
+
 @dataclass
 class Ops:
     settings: Settings
@@ -102,6 +116,8 @@ class Ops:
     worker: subprocess.Popen[bytes] | None = None
     load: Load | None = None
     by_hand: list[int] = field(default_factory=list)
+    fleet: Fleet = field(default_factory=Fleet)
+    postgres_proxy: ProxyProcess | None = None
 
     @property
     def poison_flag(self) -> Path:
@@ -127,8 +143,16 @@ class Ops:
         )
 
     def start_relay(self) -> None:
+        """The relay reaches Postgres through a TCP proxy the tests can stall."""
+        target = urlsplit(self.settings.require_database_url())
+        with (self.directory / "proxy.log").open("ab") as log:
+            self.postgres_proxy = ProxyProcess.start(
+                self.fleet, target.hostname or "127.0.0.1", target.port or 5432, log
+            )
+        url = through(self.settings.require_database_url(), self.postgres_proxy.port)
         argv = [sys.executable, "-m", "pipeline.tools.cli", "relay"]
-        self.relay = start_process(argv, self.env(), self.directory / "relay.log")
+        env = self.env(PIPELINE_DATABASE_URL=url)
+        self.relay = start_process(argv, env, self.directory / "relay.log")
 
     def start_worker(self) -> None:
         argv = [sys.executable, "-m", "pipeline.tools.cli", "worker", "--processes", "1"]
@@ -257,6 +281,9 @@ def ops(
                 stop_process(process)
         if env.prometheus is not None:
             env.prometheus.stop()
+        if env.postgres_proxy is not None:
+            env.postgres_proxy.close()
+        env.fleet.close()
         engine.dispose()
         configure(None)
         redis_server.cleanup()
@@ -338,6 +365,29 @@ def test_only_the_watchdog_fires_in_normal_operation(ops: Ops) -> None:
 
 
 # -- faults ----------------------------------------------------------------------------------
+
+STALL_SECONDS = 60
+
+
+def test_a_stalled_postgres_fires_postgres_unreachable_not_relay_down(ops: Ops) -> None:
+    """Postgres stops answering the relay (its TCP proxy stops forwarding): the relay's
+    scrapes still answer (its state is read in the background), so the alert that names
+    the cause fires, not PipelineRelayDown; it resolves when the stall ends."""
+    assert ops.postgres_proxy is not None
+    assert ops.postgres_proxy.command(f"stall {STALL_SECONDS}").startswith("stalled")
+    alert = prom(ops).wait_firing("PipelinePostgresUnreachable", STALL_SECONDS)
+    assert alert["labels"]["source"] == "postgres"
+    assert alert["labels"]["severity"] == "critical"
+    relay_alerts = [
+        a
+        for a in prom(ops).api("alerts")["alerts"]
+        if a["labels"]["alertname"] in {"PipelineRelayDown", "PipelineTargetDown"}
+    ]
+    assert relay_alerts == []  # not even pending
+    up = prom(ops).query(f'up{{job="{KIT.relay_job}"}}')
+    assert up and all(float(sample["value"][1]) == 1 for sample in up)
+    prom(ops).wait_resolved("PipelinePostgresUnreachable", STALL_SECONDS + RESOLVE_TIMEOUT)
+    ops.check_processes()
 
 
 def test_relay_killed_fires_relay_down_and_the_playbook_restores_the_flow(ops: Ops) -> None:
