@@ -24,13 +24,15 @@ from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 from pipeline.transport.amqp.broker import physical_name
 from pipeline.transport.amqp.management import Management
 from tests.integration.test_inbox import TABLES
-from tests.support import produce, running_pipeline, soak, wait_until
+from tests.support import SOAK, produce, running_pipeline, soak, wait_until
 
 APP = "tests.apps.inbox_app"
 
 
 @pytest.fixture
 def cluster() -> Iterator[RabbitCluster]:
+    if not SOAK:  # each test starts three nodes (30-50 s) and runs minutes under load
+        pytest.skip("three-node RabbitMQ cluster tests run with PIPELINE_SOAK=1")
     value = RabbitCluster(3)
     try:
         value.start()
