@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import text
 
 from pipeline import NewEvent, Settings, configure
+from pipeline.tools.harness.commands import WORKER_READY_LINE
 from tests.support import (
     produce,
     queue_envelopes,
@@ -124,6 +125,11 @@ def test_two_relays_and_two_workers_deliver_everything_once_in_key_order(
             timeout=60,
             progress=lambda: status_counts(engine).get("sent"),
             alive=[worker, *relays],
+        )
+        wait_until(  # the exit codes below are about a graceful stop of a running worker
+            lambda: (tmp_path / "worker.log").read_text().count(WORKER_READY_LINE) >= 2,
+            timeout=60,
+            alive=[worker],
         )
     finally:
         for process in [worker, *relays]:
