@@ -24,7 +24,7 @@ from sqlalchemy import text
 from pipeline import NewEvent, Settings, configure
 from pipeline.observability.metrics import REDELIVERY_REASONS
 from pipeline.testhooks import PAUSE_BEFORE_COMMIT
-from tests.support import produce, soak, start_relay, start_worker, stop_process, wait_until
+from tests.support import SOAK, produce, soak, start_relay, start_worker, stop_process, wait_until
 
 APP = "tests.apps.pause_app"
 TABLE = """
@@ -241,7 +241,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-@pytest.mark.soak
+@pytest.mark.skipif(not SOAK, reason="a slow consumer for a minute; PIPELINE_SOAK=1 runs it")
 def test_a_consumer_that_is_merely_slow_gets_no_copies_of_its_backlog(
     engine, pause_settings, tmp_path
 ):
