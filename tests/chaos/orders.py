@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from sqlalchemy import text
+from sqlalchemy.engine import Engine
 
-from pipeline import NewEvent, Settings
+from pipeline import NewEvent, Settings, configure
 from tests.support import pipeline_env, produce, run_cli
 
 APP = "tests.apps.inbox_app"
@@ -52,3 +55,25 @@ def assert_each_stage_once(engine, orders: list[str]) -> None:
 def status_json(settings: Settings) -> tuple[int, dict]:
     done = run_cli(["status", "--json"], pipeline_env(settings, APP))
     return done.returncode, json.loads(done.stdout)
+
+
+@contextmanager
+def fault_settings(settings: Settings, engine: Engine, tables: str) -> Iterator[Settings]:
+    """``settings`` made for faults that must show within seconds (short leases, heartbeats,
+    horizon and sweeps), installed process-wide, after creating the test's ``tables``."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql(tables)
+    value = settings.replace(
+        lease_seconds=3.0,
+        poll_interval_max=0.5,
+        broker_heartbeat_timeout_ms=3000,
+        broker_maintenance_chance=200_000,
+        canary_interval=0,
+        redelivery_horizon_seconds=3.0,
+        reconcile_interval_seconds=0.5,
+    )
+    configure(value)
+    try:
+        yield value
+    finally:
+        configure(settings)

@@ -26,7 +26,8 @@ import pytest
 from sqlalchemy import Engine, text
 from sqlalchemy.orm import Session
 
-from pipeline import NewEvent, Settings, add_event, configure
+from pipeline import NewEvent, Settings, add_event
+from tests.chaos.orders import fault_settings
 from tests.support import (
     log_size,
     produce,
@@ -49,20 +50,8 @@ CREATE TABLE tally (id bigserial PRIMARY KEY, consumer text NOT NULL, event_id u
 
 @pytest.fixture
 def stuck_settings(settings: Settings, engine) -> Iterator[Settings]:
-    with engine.begin() as conn:
-        conn.exec_driver_sql(TABLES)
-    value = settings.replace(
-        lease_seconds=3.0,
-        poll_interval_max=0.5,
-        broker_heartbeat_timeout_ms=3000,
-        broker_maintenance_chance=200_000,
-        canary_interval=0,
-        redelivery_horizon_seconds=3.0,
-        reconcile_interval_seconds=0.5,
-    )
-    configure(value)
-    yield value
-    configure(settings)
+    with fault_settings(settings, engine, TABLES) as value:
+        yield value
 
 
 def scalar(engine: Engine, sql: str, **params: object):
