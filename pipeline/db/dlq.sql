@@ -51,11 +51,78 @@ WHERE (%(stage)s::text IS NULL OR d.stage = %(stage)s::text)
   AND (%(event_ids)s::uuid[] IS NULL OR d.event_id = ANY(%(event_ids)s::uuid[]))
   AND (%(caused_by)s::uuid IS NULL OR d.event_id IN (SELECT id FROM chain))
   AND (NOT %(waiting)s::boolean OR d.replayed_at IS NULL)
+  AND (%(group_ids)s::bigint[] IS NULL OR d.id = ANY(%(group_ids)s::bigint[]))
 ORDER BY CASE WHEN %(in_event_order)s::boolean
               THEN coalesce(o.seq, CASE WHEN jsonb_typeof(d.envelope -> 'pipelineseq') = 'number'
                                         THEN (d.envelope ->> 'pipelineseq')::numeric::bigint END)
          END NULLS LAST,
          d.id
+LIMIT %(limit)s;
+
+-- name: dlq_groups
+-- Dead letters by cause (``pipeline dlq groups``), under the same filters as dlq_select.
+-- A group is one failure fingerprint: the first 12 hex digits of the md5 of the stage,
+-- consumer, event type, error class and normalised message. The message is the error text
+-- without its leading "ErrorClass: ", with quoted values, UUIDs, hex ids (0x..., or 8 or
+-- more hex digits mixing letters and digits) and numbers replaced by placeholders,
+-- whitespace collapsed, cut at 500 characters. It is computed here, when asked, rather
+-- than stored: every dead letter groups alike whichever version wrote it, and the rules
+-- can change without a migration; the scan covers the dead letters in scope, which an
+-- operator command can afford. This is the one place the fingerprint is computed: a
+-- replay or purge of a group reads its members here (``with_ids``), then selects them by id.
+WITH RECURSIVE chain (id) AS (
+    SELECT %(caused_by)s::uuid WHERE %(caused_by)s::uuid IS NOT NULL
+    UNION
+    SELECT o.id
+    FROM chain c
+    JOIN {schema}.outbox o ON o.headers ->> 'causation_id' = c.id::text
+), scoped AS (
+    SELECT d.id, d.stage, d.consumer, d.event_type, d.error_class, d.created_at,
+           d.replayed_at,
+           btrim(left(
+               regexp_replace(regexp_replace(regexp_replace(regexp_replace(regexp_replace(
+                   CASE WHEN starts_with(d.error, d.error_class || ': ')
+                        THEN substr(d.error, length(d.error_class) + 3)
+                        ELSE d.error END,
+                   '''[^'']*''|"[^"]*"', '<str>', 'g'),
+                   '[0-9a-f]{{8}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{4}}-[0-9a-f]{{12}}',
+                   '<uuid>', 'gi'),
+                   '\m(0x[0-9a-f]+|(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{{8,}})\M',
+                   '<hex>', 'gi'),
+                   '[0-9]+(\.[0-9]+)?', '<n>', 'g'),
+                   '\s+', ' ', 'g'),
+               500)) AS message
+    FROM {schema}.dead_letters d
+    WHERE (%(stage)s::text IS NULL OR d.stage = %(stage)s::text)
+      AND (%(consumer)s::text IS NULL OR d.consumer = %(consumer)s::text)
+      AND (%(event_type)s::text IS NULL OR d.event_type = %(event_type)s::text)
+      AND (%(error_class)s::text IS NULL OR d.error_class = %(error_class)s::text)
+      AND (%(since)s::timestamptz IS NULL OR d.created_at >= %(since)s::timestamptz)
+      AND (%(until)s::timestamptz IS NULL OR d.created_at < %(until)s::timestamptz)
+      AND (%(ids)s::bigint[] IS NULL OR d.id = ANY(%(ids)s::bigint[]))
+      AND (%(event_ids)s::uuid[] IS NULL OR d.event_id = ANY(%(event_ids)s::uuid[]))
+      AND (%(caused_by)s::uuid IS NULL OR d.event_id IN (SELECT id FROM chain))
+      AND (NOT %(waiting)s::boolean OR d.replayed_at IS NULL)
+), keyed AS (
+    SELECT s.*,
+           left(md5(concat_ws(chr(31), s.stage, coalesce(s.consumer, ''),
+                              coalesce(s.event_type, ''), s.error_class, s.message)),
+                12) AS fingerprint
+    FROM scoped s
+), grouped AS (
+    SELECT fingerprint, stage, consumer, event_type, error_class, message,
+           count(*) AS total, count(*) FILTER (WHERE replayed_at IS NULL) AS waiting,
+           min(created_at) AS first_seen, max(created_at) AS last_seen, min(id) AS sample_id,
+           CASE WHEN %(with_ids)s::boolean THEN array_agg(id ORDER BY id) END AS ids
+    FROM keyed
+    WHERE %(fingerprint)s::text IS NULL OR fingerprint = %(fingerprint)s::text
+    GROUP BY fingerprint, stage, consumer, event_type, error_class, message
+)
+SELECT g.fingerprint, g.stage, g.consumer, g.event_type, g.error_class, g.message, g.total,
+       g.waiting, g.first_seen, g.last_seen, g.sample_id, d.error, g.ids
+FROM grouped g
+JOIN {schema}.dead_letters d ON d.id = g.sample_id
+ORDER BY g.total DESC, g.first_seen, g.fingerprint
 LIMIT %(limit)s;
 
 -- name: dlq_get

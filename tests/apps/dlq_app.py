@@ -2,7 +2,9 @@
 
 ``payments`` fails permanently on orders marked ``poison`` while the ``dlq_switches`` row
 for it says ``broken``: the tests dead-letter such orders, then "deploy a fix" by clearing
-the switch, then replay. ``audit`` takes the same events and never fails; ``shipping``
+the switch, then replay. Orders marked ``declined`` fail permanently with a second cause
+(``CardDeclined``, whose message varies per order as real messages do: numbers, a
+quoted value, a UUID), fix or no fix. ``audit`` takes the same events and never fails; ``shipping``
 takes the follow-up events ``payments`` publishes. Tables are created by the tests
 (tests/integration/test_dlq.py).
 """
@@ -10,6 +12,7 @@ takes the follow-up events ``payments`` publishes. Tables are created by the tes
 from __future__ import annotations
 
 import os
+import uuid
 
 import httpx
 from sqlalchemy import text
@@ -41,7 +44,11 @@ def broken(ctx: HandlerContext) -> bool:
     )
 
 
-@consumer("payments", ["order.placed"], max_retries=2, non_retryable=[Poison])
+class CardDeclined(Exception):
+    """The card was declined: a cause of its own, never retried."""
+
+
+@consumer("payments", ["order.placed"], max_retries=2, non_retryable=[Poison, CardDeclined])
 def payments(event: ReceivedEvent, ctx: HandlerContext) -> None:
     effect(ctx, event)
     if PAYMENT_API:
@@ -54,6 +61,11 @@ def payments(event: ReceivedEvent, ctx: HandlerContext) -> None:
         response.raise_for_status()
     if event.data.get("poison") and broken(ctx):
         raise Poison(f"cannot charge order {event.data['order_id']}")
+    if event.data.get("declined"):
+        raise CardDeclined(
+            f"card {event.data['declined']} declined for order '{event.data['order_id']}' "
+            f"(reference {uuid.uuid4()})"
+        )
     ctx.publish("payment.charged", {"order_id": event.data["order_id"]})
 
 

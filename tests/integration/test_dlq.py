@@ -698,3 +698,118 @@ def queue_free_envelope(engine, event_id: uuid.UUID) -> dict[str, Any]:
         e=event_id,
     )
     return json.loads(encode_envelope(OutboxEvent(*row), "/pipeline/pipeline"))
+
+
+def orders_of_two_causes(engine, settings: Settings) -> dict[str, list[uuid.UUID]]:
+    """200 orders over ten ordering keys through a relay and a worker; payments
+    dead-letters every one: 110 poisoned (Poison, fixed by the switch), 90 with a declined
+    card (CardDeclined, stays broken). Returns cause -> event ids in the outbox's sequence
+    order (within a transaction, not necessarily the order the events were given in)."""
+    causes: dict[str, list[uuid.UUID]] = {"Poison": [], "CardDeclined": []}
+    events = []
+    for i in range(200):
+        data: dict[str, Any] = {"order_id": f"g{i}"}
+        if i % 20 < 11:
+            data["poison"] = True
+        else:
+            data["declined"] = 4000 + i
+        events.append(NewEvent("order.placed", data, aggregate_id=f"key{i % 10}"))
+    with running_pipeline(settings, APP, threads=2):
+        ids = produce(engine, events, per_transaction=50)
+        wait_until(
+            lambda: rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0] == 200,
+            timeout=120,
+            progress=lambda: rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0],
+        )
+    poisoned = {event_id for i, event_id in enumerate(ids) if i % 20 < 11}
+    for (event_id,) in rows(engine, "SELECT id FROM pipeline.outbox ORDER BY seq"):
+        causes["Poison" if event_id in poisoned else "CardDeclined"].append(event_id)
+    return causes
+
+
+def test_groups_replay_exactly_one_cause_in_order_audited(engine, dlq_settings, tmp_path):
+    causes = orders_of_two_causes(engine, dlq_settings)
+    groups = dlq_json(dlq_settings, "groups")
+    assert [(g["error_class"], g["count"], g["waiting"]) for g in groups] == [
+        ("Poison", 110, 110),
+        ("CardDeclined", 90, 90),
+    ]
+    assert {(g["stage"], g["consumer"], g["event_type"]) for g in groups} == {
+        ("consume", "payments", "order.placed")
+    }
+    poison, declined = groups
+    assert poison["message"] == "cannot charge order g<n>"
+    assert declined["message"] == "card <n> declined for order <str> (reference <uuid>)"
+    assert poison["fingerprint"] != declined["fingerprint"]
+    table = dlq(dlq_settings, "groups")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[0].split()[:3] == ["FINGERPRINT", "COUNT", "WAITING"]
+    assert f"{poison['fingerprint']}    110      110" in table.stdout
+    assert "2 group(s), 200 dead letter(s)" in table.stdout
+
+    # without --yes, a group replay is a dry run: nothing changes, nothing is audited
+    before, waiting = checksums(dlq_settings), queues(dlq_settings)
+    plan = dlq_json(dlq_settings, "replay", "--group", poison["fingerprint"])
+    shown = dlq(dlq_settings, "replay", "--group", poison["fingerprint"])
+    assert checksums(dlq_settings) == before and queues(dlq_settings) == waiting
+    assert plan["dry_run"] and plan["would_replay"] == 110 and plan["rate"] == 50.0
+    assert [s["event_ids"] for s in plan["steps"]] == [[str(e)] for e in causes["Poison"]]
+    assert "to replay this group: the same command with --yes --reason WHY" in shown.stdout
+    one_line_error(
+        dlq(dlq_settings, "replay", "--group", poison["fingerprint"], "--yes"),
+        2,
+        "Missing option '--reason'",
+    )
+    one_line_error(
+        dlq(dlq_settings, "replay", "--group", "0123456789ab"), 1, "no dead letter in scope"
+    )
+    one_line_error(dlq(dlq_settings, "groups", "--group", "nope"), 2, "is not a fingerprint")
+
+    set_broken(engine, False)  # the fix for one cause is deployed
+    done = dlq_json(
+        dlq_settings, "replay", "--group", poison["fingerprint"], "--yes", "--reason", "fixed"
+    )
+    assert (done["replayed"], done["skipped"], done["failed"]) == (110, 0, 0)
+    # one message per dead letter on the payments queue, in the events' sequence order
+    assert queues(dlq_settings) == {
+        "pipeline.payments": [[str(e)] for e in causes["Poison"]],
+        "pipeline.audit": [],
+        "pipeline.shipping": [],
+    }
+    (record,) = dlq_json(dlq_settings, "audit")
+    assert (record["action"], record["affected"]) == ("dlq.replay", 110)
+    assert record["parameters"]["filter"] == {"group": poison["fingerprint"]}
+    assert (record["parameters"]["rate"], record["parameters"]["reason"]) == (50.0, "fixed")
+    assert len(record["parameters"]["dead_letters"]) == 110
+    after = {g["error_class"]: (g["count"], g["waiting"]) for g in dlq_json(dlq_settings, "groups")}
+    assert after == {"Poison": (110, 0), "CardDeclined": (90, 90)}
+
+    with running_pipeline(dlq_settings, APP, threads=2):
+        wait_until(
+            lambda: sum(effects(engine, "shipping").values()) == 110,
+            timeout=120,
+            progress=lambda: sum(effects(engine, "shipping").values()),
+        )
+    statuses = dict(
+        rows(
+            engine,
+            "SELECT status, count(*) FROM pipeline.inbox WHERE consumer = 'payments'"
+            " GROUP BY status",
+        )
+    )
+    assert statuses == {"processed": 110, "dead": 90}
+    assert set(effects(engine, "shipping").values()) == {1}
+    assert rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0] == 200  # no new ones
+
+    # the other cause is untouched; purging it is a dry run first too
+    before = checksums(dlq_settings)
+    purge_plan = dlq_json(dlq_settings, "purge", "--group", declined["fingerprint"])
+    assert purge_plan["would_delete"] == 90 and checksums(dlq_settings) == before
+    purged = dlq_json(
+        dlq_settings, "purge", "--group", declined["fingerprint"], "--yes", "--reason", "refunded"
+    )
+    assert len(purged["deleted"]) == 90
+    assert [g["error_class"] for g in dlq_json(dlq_settings, "groups")] == ["Poison"]
+    latest = dlq_json(dlq_settings, "audit")[0]
+    assert (latest["action"], latest["affected"]) == ("dlq.purge", 90)
+    assert latest["parameters"]["filter"] == {"group": declined["fingerprint"]}

@@ -121,6 +121,44 @@ class FailedAttempt:
     at: datetime
 
 
+@dataclass
+class DeadLetterGroup:
+    """Dead letters of one cause: one failure fingerprint (``dlq_groups`` in dlq.sql)."""
+
+    fingerprint: str
+    stage: str
+    consumer: str | None
+    event_type: str | None
+    error_class: str
+    message: str
+    """The normalised message (numbers, UUIDs, hex ids and quoted values as placeholders)."""
+    count: int
+    waiting: int
+    """How many are not replayed yet."""
+    first_seen: datetime
+    last_seen: datetime
+    sample_id: int
+    sample_error: str
+    ids: list[int] | None = None
+    """The group's dead letter ids, oldest first (only when asked for)."""
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "fingerprint": self.fingerprint,
+            "stage": self.stage,
+            "consumer": self.consumer,
+            "event_type": self.event_type,
+            "error_class": self.error_class,
+            "message": self.message,
+            "count": self.count,
+            "waiting": self.waiting,
+            "first_seen": self.first_seen.isoformat(),
+            "last_seen": self.last_seen.isoformat(),
+            "sample_id": self.sample_id,
+            "sample_error": self.sample_error,
+        }
+
+
 class StoredDeadLetter(NamedTuple):
     """One dead letter with what was kept of it (``envelope`` as JSON text)."""
 
@@ -151,6 +189,37 @@ class DeadLetterStore:
                 carried=uuids(row[17]),
                 carried_processed=int(row[18] or 0),
                 has_envelope=bool(row[19]),
+            )
+            for row in rows
+        ]
+
+    def groups(
+        self,
+        conn: psycopg.Connection[Any],
+        scope: Mapping[str, Any],
+        *,
+        fingerprint: str | None = None,
+        with_ids: bool = False,
+    ) -> list[DeadLetterGroup]:
+        """The dead letters matching ``scope`` (``dlq_select``'s filter parameters) by
+        failure fingerprint, largest group first; one group with ``fingerprint``."""
+        params = {**scope, "fingerprint": fingerprint, "with_ids": with_ids}
+        rows = conn.execute(self._queries["dlq_groups"], params).fetchall()
+        return [
+            DeadLetterGroup(
+                fingerprint=row[0],
+                stage=row[1],
+                consumer=row[2],
+                event_type=row[3],
+                error_class=row[4],
+                message=row[5],
+                count=int(row[6]),
+                waiting=int(row[7]),
+                first_seen=row[8],
+                last_seen=row[9],
+                sample_id=int(row[10]),
+                sample_error=row[11],
+                ids=None if row[12] is None else [int(i) for i in row[12]],
             )
             for row in rows
         ]

@@ -1,4 +1,5 @@
-"""``pipeline dlq``: list, show, replay (real or sandboxed), purge, audit.
+"""``pipeline dlq``: list, groups, show, replay (real or sandboxed), purge, audit, and the
+deliveries owed to consumers (owed, abandon).
 
 The work is done by :mod:`pipeline.tools.ops.dlq`, which returns what it did; these
 commands parse the options, call it, render the result and set the exit code.
@@ -22,6 +23,7 @@ from pipeline.tools.cli.options import (
     reason_option,
     settings_of,
     waiting_option,
+    yes_option,
 )
 from pipeline.tools.ops.text import printable, printable_lines
 
@@ -31,7 +33,11 @@ if TYPE_CHECKING:
     from pipeline.tools.ops.dlq.replay_run import ReplayPlan
 
 LIST_LIMIT = 100
+GROUPS_LIMIT = 50
 AUDIT_LIMIT = 50
+GROUP_RATE = 50.0
+"""Events per second a ``--group`` replay goes at unless ``--rate`` says otherwise: a
+group is a backlog of one cause, sent to a consumer that has only just been fixed."""
 
 
 def _scope(options: dict[str, Any], waiting: bool = False) -> DeadLetterFilter:
@@ -49,6 +55,7 @@ def _scope(options: dict[str, Any], waiting: bool = False) -> DeadLetterFilter:
             event_ids=options["event_ids"],
             caused_by=options["caused_by"],
             waiting=waiting,
+            group=options["group"],
         )
     except FilterError as exc:
         raise click.UsageError(str(exc)) from None
@@ -76,8 +83,10 @@ def dlq() -> None:
     """Inspect, replay and purge dead letters.
 
     Publish stage: events the relay gave up on. Consume stage: (consumer, event) pairs a
-    handler gave up on, and messages no consumer could process. Replays and purges are
-    recorded in the audit log (`pipeline dlq audit`); dry runs change nothing and are not.
+    handler gave up on, and messages no consumer could process. `groups` sorts them by
+    cause; `--group FINGERPRINT` replays or purges one cause (a dry run unless --yes).
+    Replays, purges and abandoned deliveries are recorded in the audit log (`pipeline dlq
+    audit`); dry runs change nothing and are not.
     """
 
 
@@ -100,6 +109,32 @@ def list_command(
         _echo_json([letter.as_json() for letter in letters])
     else:
         click.echo(printable_lines(render_list(letters, limit)))
+
+
+@dlq.command("groups")
+@dead_letter_filters()
+@waiting_option()
+@limit_option(GROUPS_LIMIT, "Show at most this many groups (the largest first).")
+@json_option("Print a JSON array.")
+@click.pass_context
+def groups_command(
+    ctx: click.Context, /, waiting: bool, limit: int, as_json: bool, **filters: Any
+) -> None:
+    """Group dead letters by cause, the largest group first.
+
+    A cause is a failure fingerprint: stage, consumer, event type, error class and the
+    error message with numbers, UUIDs, hex ids and quoted values normalised away. Each
+    group shows its count (and how many wait for a replay), when it was first and last
+    seen, and a sample. Act on one with `replay --group` or `purge --group`.
+    """
+    from pipeline.tools.ops.dlq.access import group_dead_letters
+    from pipeline.tools.ops.dlq.render import render_groups
+
+    groups = group_dead_letters(settings_of(ctx), _scope(filters, waiting), limit=limit)
+    if as_json:
+        _echo_json([group.as_json() for group in groups])
+    else:
+        click.echo(printable_lines(render_groups(groups, limit)))
 
 
 @dlq.command("show")
@@ -134,7 +169,12 @@ def show_command(ctx: click.Context, dead_letter_id: int, payload: bool, as_json
     "external calls, which are recorded and not made). Nothing is replayed.",
 )
 @limit_option(None, "Replay at most this many.")
-@rate_option(None, "Pace the replay (default: as fast as it goes).", metavar="EVENTS_PER_SECOND")
+@rate_option(
+    None,
+    f"Pace the replay (default: as fast as it goes; {GROUP_RATE:g} with --group).",
+    metavar="EVENTS_PER_SECOND",
+)
+@yes_option("Replay the --group (without --yes, a --group replay is a dry run).")
 @reason_option()
 @apps_option()
 @json_option()
@@ -146,6 +186,7 @@ def replay_command(
     to_sandbox: bool,
     limit: int | None,
     rate: float | None,
+    yes: bool,
     reason: str | None,
     apps: tuple[str, ...],
     as_json: bool,
@@ -157,11 +198,17 @@ def replay_command(
     A consume-stage dead letter is delivered once more to its consumer alone (the events
     keep their ids: inboxes that processed them drop the copies). Dead letters already
     replayed are not replayed again; a replay that fails again is a new dead letter.
-    Exits 1 when a dead letter could not be replayed. Dry runs are not audited.
+    With --group, the replay is a dry run unless --yes, paced at 50 events/s unless --rate.
+    Exits 1 when a dead letter could not be replayed, or (--to-sandbox) when a handler
+    failed. Dry runs are not audited.
     """
     from pipeline.tools.ops.dlq.render import render_results, render_sandbox
     from pipeline.tools.ops.dlq.replay_run import ReplayRequest, replay_dead_letters
 
+    grouped = filters["group"] is not None
+    dry_run = dry_run or (grouped and not yes)
+    if grouped and rate is None:
+        rate = GROUP_RATE
     why = _reason(reason, dry_run)
     settings = settings_of(ctx, apps)
     try:
@@ -191,11 +238,11 @@ def replay_command(
                 printable(render_results(outcome.report.results, outcome.report.audit_id)[-1])
             )
     else:
-        _echo_plan(outcome.plan, as_json)
+        _echo_plan(outcome.plan, as_json, grouped and not yes)
     ctx.exit(1 if outcome.failed else 0)
 
 
-def _echo_plan(plan: ReplayPlan, as_json: bool) -> None:
+def _echo_plan(plan: ReplayPlan, as_json: bool, needs_yes: bool = False) -> None:
     from pipeline.tools.ops.dlq.render import render_plan
 
     if as_json:
@@ -204,6 +251,8 @@ def _echo_plan(plan: ReplayPlan, as_json: bool) -> None:
     lines = render_plan(plan.steps, plan.sandbox)
     if plan.rate is not None and plan.events:
         lines.append(f"paced at {plan.rate:g} events/s: about {plan.events / plan.rate:.1f} s")
+    if needs_yes and plan.acting:
+        lines.append("to replay this group: the same command with --yes --reason WHY")
     click.echo(printable_lines(lines))
 
 
@@ -212,6 +261,7 @@ def _echo_plan(plan: ReplayPlan, as_json: bool) -> None:
 @click.option("--all", "purge_all", is_flag=True, help="Every dead letter (instead of filters).")
 @waiting_option()
 @dry_run_option("Print what would be deleted; delete nothing.")
+@yes_option("Purge the --group (without --yes, a --group purge is a dry run).")
 @reason_option()
 @json_option()
 @click.pass_context
@@ -221,6 +271,7 @@ def purge_command(
     purge_all: bool,
     waiting: bool,
     dry_run: bool,
+    yes: bool,
     reason: str | None,
     as_json: bool,
     **filters: Any,
@@ -228,11 +279,14 @@ def purge_command(
     """Delete dead letters in an explicit scope (filters, or --all).
 
     Only the dead-letter records go: the event's outbox row and the consumer's inbox
-    row stay dead, so nothing runs again. Dry runs are not audited.
+    row stay dead, so nothing runs again. With --group, the purge is a dry run unless
+    --yes. Dry runs are not audited.
     """
     from pipeline.tools.ops.dlq.purge import purge_dead_letters
     from pipeline.tools.ops.dlq.render import render_list
 
+    grouped = filters["group"] is not None
+    dry_run = dry_run or (grouped and not yes)
     why = _reason(reason, dry_run)
     settings = settings_of(ctx)
     scope = _scope(filters, waiting)
@@ -242,7 +296,7 @@ def purge_command(
         raise click.UsageError(
             "refusing to purge without a scope: give a filter (--stage, --consumer, "
             "--event-type, --error-class, --since, --until, --id, --event-id, --caused-by, "
-            "--waiting) or --all"
+            "--waiting, --group) or --all"
         )
     report = purge_dead_letters(settings, scope, purge_all=purge_all, dry_run=dry_run, reason=why)
     if as_json:
@@ -253,7 +307,9 @@ def purge_command(
             f"dry run: {len(report.letters)} dead letter(s) would be deleted (their outbox and "
             "inbox rows stay dead); nothing changed"
         )
-        click.echo(printable_lines(lines))
+    if needs_yes and plan.acting:
+        lines.append("to replay this group: the same command with --yes --reason WHY")
+    click.echo(printable_lines(lines))
     else:
         click.echo(f"purged {len(report.deleted)} dead letter(s) (audit record #{report.audit_id})")
 

@@ -89,6 +89,10 @@ def dry_run_option(help: str) -> Callable[[F], F]:
     return click.option("--dry-run", is_flag=True, help=help)
 
 
+def yes_option(help: str) -> Callable[[F], F]:
+    return click.option("--yes", is_flag=True, help=help)
+
+
 def reason_option() -> Callable[[F], F]:
     return click.option("--reason", help="Why (kept in the audit log); required unless --dry-run.")
 
@@ -237,6 +241,11 @@ def dead_letter_filters() -> Callable[[F], F]:
                 metavar="EVENT_ID",
                 help="The dead letters of every event in the causation chain under EVENT_ID "
                 "(the event and its follow-up events, at any depth).",
+            ),
+            click.option(
+                "--group",
+                metavar="FINGERPRINT",
+                help="The dead letters of one cause: a fingerprint `pipeline dlq groups` prints.",
             ),
         ]
     )

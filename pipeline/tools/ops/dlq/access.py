@@ -23,8 +23,10 @@ from pipeline.tools.ops.dlq.filters import DeadLetterFilter
 from pipeline.tools.ops.dlq.records import (
     DeadLetter,
     DeadLetterDetail,
+    DeadLetterGroup,
     load_dead_letter,
     select_dead_letters,
+    select_groups,
 )
 
 
@@ -63,6 +65,15 @@ def list_dead_letters(
     with open_connection(settings) as conn:
         require_known_ids(conn, settings.schema_name, scope.ids)
         return select_dead_letters(conn, settings.schema_name, scope, limit=limit)
+
+
+def group_dead_letters(
+    settings: Settings, scope: DeadLetterFilter, *, limit: int | None
+) -> list[DeadLetterGroup]:
+    """``pipeline dlq groups``: the dead letters in ``scope`` by cause, largest first."""
+    with open_connection(settings) as conn:
+        require_known_ids(conn, settings.schema_name, scope.ids)
+        return select_groups(conn, settings.schema_name, scope, limit=limit)
 
 
 def show_dead_letter(settings: Settings, dead_letter_id: int) -> DeadLetterDetail:

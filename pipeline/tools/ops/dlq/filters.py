@@ -17,6 +17,8 @@ STAGES = ("publish", "consume")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d|w)\s*$")
 MAX_DURATION_SECONDS = 100 * 365 * 86400
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+FINGERPRINT = re.compile(r"^[0-9a-f]{12}$")
+"""A failure fingerprint as ``pipeline dlq groups`` prints it (``dlq_groups`` in dlq.sql)."""
 
 
 class FilterError(ValueError):
@@ -63,6 +65,10 @@ class DeadLetterFilter:
     caused_by: uuid.UUID | None = None
     waiting: bool = False
     """Only dead letters not replayed yet."""
+    group: str | None = None
+    """Only the dead letters of this failure fingerprint (``pipeline dlq groups``)."""
+    group_ids: tuple[int, ...] | None = None
+    """The group's dead letters, once looked up (the fingerprint is computed in SQL)."""
     given: dict[str, Any] = field(default_factory=dict, compare=False)
     """The options as the operator typed them (durations unresolved), for the audit log."""
 
@@ -71,6 +77,11 @@ class DeadLetterFilter:
             raise FilterError(f"--stage must be one of {', '.join(STAGES)}, not {self.stage!r}")
         if self.since and self.until and self.since >= self.until:
             raise FilterError("--since must be earlier than --until")
+        if self.group is not None and not FINGERPRINT.match(self.group):
+            raise FilterError(
+                f"--group {self.group!r} is not a fingerprint (12 hex digits, as "
+                "`pipeline dlq groups` prints them)"
+            )
 
     @property
     def scoped(self) -> bool:
@@ -87,6 +98,7 @@ class DeadLetterFilter:
                 self.event_ids,
                 self.caused_by,
                 self.waiting,
+                self.group,
             )
         )
 
@@ -103,6 +115,7 @@ class DeadLetterFilter:
             "event_ids": list(self.event_ids) or None,
             "caused_by": self.caused_by,
             "waiting": self.waiting,
+            "group_ids": None if self.group_ids is None else list(self.group_ids),
             "in_event_order": in_event_order,
             "limit": limit,
         }
@@ -129,6 +142,7 @@ def build_filter(
     event_ids: tuple[str, ...] = (),
     caused_by: str | None = None,
     waiting: bool = False,
+    group: str | None = None,
     now: datetime | None = None,
 ) -> DeadLetterFilter:
     """A filter from command-line values; raises :class:`FilterError` naming the bad option."""
@@ -143,6 +157,7 @@ def build_filter(
         "event_id": list(event_ids) or None,
         "caused_by": caused_by,
         "waiting": waiting or None,
+        "group": group,
     }
     for bad in (i for i in ids if i <= 0):
         raise FilterError(f"--id {bad} is not a dead-letter id (a positive number)")
@@ -158,5 +173,6 @@ def build_filter(
         event_ids=tuple(parse_event_id(e, "--event-id") for e in event_ids),
         caused_by=parse_event_id(caused_by, "--caused-by") if caused_by is not None else None,
         waiting=waiting,
+        group=group.strip().lower() if group is not None else None,
         given={k: v for k, v in given.items() if v is not None},
     )

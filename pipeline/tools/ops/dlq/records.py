@@ -9,22 +9,32 @@ actor nobody registered), which may name no event or carry several.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import psycopg
 
-from pipeline.db.stores.dead_letters import DeadLetter, DeadLetterStore, FailedAttempt, uuids
+from pipeline.db.stores.dead_letters import (
+    DeadLetter,
+    DeadLetterGroup,
+    DeadLetterStore,
+    FailedAttempt,
+    uuids,
+)
 from pipeline.errors import MigrationError, NotFoundError
 from pipeline.tools.ops.dlq.filters import DeadLetterFilter
 
 __all__ = [
     "DeadLetter",  # a row of the dead-letter store, read here
     "DeadLetterDetail",
+    "DeadLetterGroup",  # a row of the dead-letter store's groups, read here
     "FailedAttempt",
     "load_dead_letter",
     "select_dead_letters",
+    "select_groups",
 ]
+
+_NOT_INSTALLED = "the pipeline schema {!r} is not installed: run `pipeline db upgrade`"
 
 
 def select_dead_letters(
@@ -36,14 +46,42 @@ def select_dead_letters(
     in_event_order: bool = False,
 ) -> list[DeadLetter]:
     """The dead letters in ``scope``; in event sequence order for a replay, else by id."""
+    store = DeadLetterStore(schema)
     try:
-        return DeadLetterStore(schema).select(
-            conn, scope.params(limit=limit, in_event_order=in_event_order)
+        scope = _members(conn, store, scope)
+        return store.select(conn, scope.params(limit=limit, in_event_order=in_event_order))
+    except psycopg.errors.UndefinedTable:
+        raise MigrationError(_NOT_INSTALLED.format(schema)) from None
+
+
+def _members(
+    conn: psycopg.Connection[Any], store: DeadLetterStore, scope: DeadLetterFilter
+) -> DeadLetterFilter:
+    """``scope`` with its group's dead letters looked up (replayed ones too: the selection
+    applies ``--waiting`` itself); a fingerprint no dead letter in scope has is an error."""
+    if scope.group is None or scope.group_ids is not None:
+        return scope
+    found = store.groups(
+        conn, replace(scope, waiting=False).params(), fingerprint=scope.group, with_ids=True
+    )
+    if not found:
+        raise NotFoundError(
+            f"no dead letter in scope has the fingerprint {scope.group} "
+            "(`pipeline dlq groups` lists them)"
+        )
+    return replace(scope, group_ids=tuple(found[0].ids or ()))
+
+
+def select_groups(
+    conn: psycopg.Connection[Any], schema: str, scope: DeadLetterFilter, *, limit: int | None
+) -> list[DeadLetterGroup]:
+    """The dead letters in ``scope`` by failure fingerprint, largest group first."""
+    try:
+        return DeadLetterStore(schema).groups(
+            conn, scope.params(limit=limit), fingerprint=scope.group
         )
     except psycopg.errors.UndefinedTable:
-        raise MigrationError(
-            f"the pipeline schema {schema!r} is not installed: run `pipeline db upgrade`"
-        ) from None
+        raise MigrationError(_NOT_INSTALLED.format(schema)) from None
 
 
 @dataclass

@@ -7,7 +7,12 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from pipeline.tools.ops.dlq.records import DeadLetter, DeadLetterDetail
+from pipeline.tools.ops.dlq.records import (
+    DeadLetter,
+    DeadLetterDetail,
+    DeadLetterGroup,
+    FailedAttempt,
+)
 from pipeline.tools.ops.dlq.replay import ReplayStep, StepResult
 
 
@@ -52,6 +57,57 @@ def render_list(letters: Sequence[DeadLetter], limit: int | None) -> list[str]:
     return [*lines, summary]
 
 
+def render_groups(groups: Sequence[DeadLetterGroup], limit: int | None) -> list[str]:
+    """A table of groups, the largest first; under each, its normalised message and a sample."""
+    if not groups:
+        return ["no dead letters match"]
+    header = ("FINGERPRINT", "COUNT", "WAITING", "FIRST SEEN", "LAST SEEN", "STAGE", "CONSUMER")
+    rows = [
+        (
+            g.fingerprint,
+            str(g.count),
+            str(g.waiting),
+            _when(g.first_seen),
+            _when(g.last_seen),
+            g.stage,
+            g.consumer or "-",
+        )
+        for g in groups
+    ]
+    widths = [max(len(r[i]) for r in (header, *rows)) for i in range(len(header))]
+    numeric = {1, 2}
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(
+            c.rjust(w) if i in numeric else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ).rstrip()
+
+    lines = [line(header)]
+    for group, row in zip(groups, rows, strict=True):
+        lines.append(line(row))
+        lines.append(f"    {group.event_type or '-'}  {group.error_class}: {group.message}")
+        lines.append(f"    sample #{group.sample_id}: {_error_line(group.sample_error)}")
+    total = sum(g.count for g in groups)
+    summary = f"{len(groups)} group(s), {total} dead letter(s)"
+    if limit is not None and len(groups) >= limit:
+        summary += f" (the largest {limit}; --limit shows more)"
+    return [*lines, summary, "act on one: pipeline dlq replay --group FINGERPRINT (dry run first)"]
+
+
+def _error_line(error: str) -> str:
+    first = error.splitlines()[0] if error else ""
+    return first if len(first) <= 200 else first[:199] + "…"
+
+
+def attempt_error(attempt: FailedAttempt) -> str:
+    """An attempt's error as ``Class: message``, the class written once (the stored text
+    usually starts with it already)."""
+    if attempt.error.startswith(f"{attempt.error_class}:"):
+        return attempt.error
+    return f"{attempt.error_class}: {attempt.error}"
+
+
 def render_detail(detail: DeadLetterDetail, with_payload: bool) -> list[str]:
     letter = detail.letter
     lines = [
@@ -77,8 +133,7 @@ def render_detail(detail: DeadLetterDetail, with_payload: bool) -> list[str]:
         lines.append(f"  inbox row    {letter.inbox_status or 'none'}")
     for attempt in detail.history:
         lines.append(
-            f"  attempt {attempt.attempt:<4} {_when(attempt.at)}  {attempt.error_class}: "
-            f"{attempt.error}"
+            f"  attempt {attempt.attempt:<4} {_when(attempt.at)}  {attempt_error(attempt)}"
         )
     envelope = detail.envelope_shown(with_payload)
     if envelope is not None:

@@ -117,6 +117,9 @@ class ReplayOutcome:
 
     @property
     def failed(self) -> bool:
+        """A dead letter could not be replayed, or a handler failed in the sandbox."""
+        if self.sandbox is not None:
+            return self.sandbox.failed
         return self.report is not None and self.report.failed
 
 

@@ -22,6 +22,11 @@ class SandboxReport:
     audit_id: int
     runs: list[dict[str, Any]]
 
+    @property
+    def failed(self) -> bool:
+        """Whether a handler failed on one of the events (the command exits 1)."""
+        return any(run["outcome"] == "error" for run in self.runs)
+
     def as_json(self) -> dict[str, Any]:
         return {"sandbox": True, "dry_run": False, "audit_id": self.audit_id, "runs": self.runs}
 
