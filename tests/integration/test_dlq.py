@@ -435,7 +435,15 @@ def test_sandbox_reports_the_handler_and_leaves_everything_unchanged(
         before = checksums(dlq_settings, skip=["audit_log"])
         key = idempotency_key("payments", poison_id)
 
-        still_broken = dlq_json(dlq_settings, "replay", "--to-sandbox", "--reason", "check", **env)
+        (letter,) = dlq_json(dlq_settings, "list")
+        shown = dlq(dlq_settings, "show", str(letter["id"]))
+        assert "Poison: cannot charge order s1" in shown.stdout  # the error and its attempt
+        assert "Poison: Poison" not in shown.stdout  # the class written once
+
+        # the handler still fails: the sandbox says so, and so does its exit code
+        failing = dlq(dlq_settings, "replay", "--to-sandbox", "--reason", "check", "--json", **env)
+        assert failing.returncode == 1, failing.stderr
+        still_broken = json.loads(failing.stdout)
         (run,) = still_broken["runs"]
         (outcome,) = run["results"]
         assert (outcome["outcome"], outcome["error_class"]) == ("error", "Poison")
