@@ -227,3 +227,8 @@ LIMIT %(limit)s;
 
 -- name: dlq_known_ids
 SELECT id FROM {schema}.dead_letters WHERE id = ANY(%(ids)s::bigint[]);
+
+-- name: audit_add_affected
+-- Count rows other than dead letters (abandoned deliveries) into an audit record, in the
+-- transaction that changes them.
+UPDATE {schema}.audit_log SET affected = affected + %(count)s WHERE id = %(audit_id)s;

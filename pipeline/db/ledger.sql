@@ -145,3 +145,83 @@ SELECT coalesce(r.consumer, u.consumer), coalesce(r.owed, 0) + coalesce(u.owed, 
        coalesce(r.keys, 0)
 FROM recorded r FULL JOIN unswept u ON u.consumer = r.consumer
 ORDER BY 1;
+
+-- name: ledger_owed_list
+-- `pipeline dlq owed`: deliveries owed, oldest first: unfinished inbox rows last delivered
+-- at least ``min_age`` seconds ago, and sent events the sweep has not recorded yet for one
+-- of their consumers (no inbox row; ``recorded`` false). The first ``limit`` rows come, and
+-- each consumer's oldest one besides, with per-consumer totals on every row.
+WITH cutoff AS (
+    SELECT clock_timestamp() AS now,
+           clock_timestamp() - make_interval(secs => %(min_age)s) AS at
+), owed AS (
+    SELECT i.consumer, i.event_id, i.event_type, i.status, true AS recorded,
+           i.delivered_at AS since, i.attempts, i.redeliveries
+    FROM {schema}.inbox i, cutoff
+    WHERE i.status IN ('pending', 'failed') AND i.delivered_at <= cutoff.at
+      AND (%(consumer)s::text IS NULL OR i.consumer = %(consumer)s::text)
+    UNION ALL
+    SELECT c.consumer, o.id, o.event_type, 'pending', false, o.published_at, 0, 0
+    FROM {schema}.outbox o
+    CROSS JOIN LATERAL unnest(o.consumers) AS c (consumer)
+    CROSS JOIN cutoff
+    WHERE o.status = 'sent'
+      AND o.published_at > (SELECT swept_to FROM {schema}.delivery_sweep WHERE id)
+                           - make_interval(secs => %(overlap)s)
+      AND o.published_at <= cutoff.at
+      AND (%(consumer)s::text IS NULL OR c.consumer = %(consumer)s::text)
+      AND NOT EXISTS (
+          SELECT 1 FROM {schema}.inbox x WHERE x.consumer = c.consumer AND x.event_id = o.id
+      )
+), ranked AS (
+    SELECT owed.*, extract(epoch FROM cutoff.now - owed.since)::float8 AS age,
+           row_number() OVER (ORDER BY owed.since, owed.event_id) AS overall,
+           row_number() OVER (PARTITION BY owed.consumer ORDER BY owed.since, owed.event_id)
+               AS within,
+           count(*) OVER (PARTITION BY owed.consumer) AS consumer_total
+    FROM owed, cutoff
+)
+SELECT consumer, event_id, event_type, status, recorded, since, age, attempts, redeliveries,
+       consumer_total, overall <= %(limit)s AS listed
+FROM ranked
+WHERE overall <= %(limit)s OR within = 1
+ORDER BY since, event_id;
+
+-- name: ledger_abandon
+-- `pipeline dlq abandon`: deliveries owed to a consumer that no longer exists are finished
+-- for it, at most ``batch`` of each kind per call (one transaction each): its unfinished
+-- inbox rows become 'dead' (error class DeliveryAbandoned), and so do the sent events the
+-- sweep has not recorded for it yet (a 'dead' row is written), so that neither the owed
+-- gauge nor the sweep counts them again. No dead letter is written: an operator decided,
+-- and the audit log records it.
+WITH unfinished AS (
+    SELECT i.event_id
+    FROM {schema}.inbox i
+    WHERE i.consumer = %(consumer)s AND i.status IN ('pending', 'failed')
+    ORDER BY i.delivered_at
+    LIMIT %(batch)s
+    FOR UPDATE
+), recorded AS (
+    UPDATE {schema}.inbox i
+    SET status = 'dead', last_error = %(error)s, last_error_class = 'DeliveryAbandoned'
+    FROM unfinished u
+    WHERE i.consumer = %(consumer)s AND i.event_id = u.event_id
+    RETURNING i.event_id
+), unrecorded AS (
+    INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq, status,
+                                     last_error, last_error_class, delivered_at)
+    SELECT %(consumer)s, o.id, o.event_type, o.ordering_key, o.seq, 'dead', %(error)s,
+           'DeliveryAbandoned', o.published_at
+    FROM {schema}.outbox o
+    WHERE o.status = 'sent' AND %(consumer)s::text = ANY(o.consumers)
+      AND o.published_at > (SELECT swept_to FROM {schema}.delivery_sweep WHERE id)
+                           - make_interval(secs => %(overlap)s)
+      AND NOT EXISTS (
+          SELECT 1 FROM {schema}.inbox x WHERE x.consumer = %(consumer)s AND x.event_id = o.id
+      )
+    ORDER BY o.seq
+    LIMIT %(batch)s
+    ON CONFLICT (consumer, event_id) DO NOTHING
+    RETURNING i.event_id
+)
+SELECT (SELECT count(*) FROM recorded), (SELECT count(*) FROM unrecorded);

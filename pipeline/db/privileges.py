@@ -93,6 +93,13 @@ DLQ_REPLAY: Grants = {
     "dead_letters": frozenset({"UPDATE"}),  # locked for the replay (FOR UPDATE), then marked
 }
 DLQ_PURGE: Grants = {"dead_letters": frozenset({"DELETE"})}
+DLQ_ABANDON: Grants = {
+    # `pipeline dlq abandon`: the consumer's owed inbox rows finished as 'dead', and rows
+    # written for sent events the ledger sweep has not recorded for it yet
+    "inbox": frozenset({"SELECT", "INSERT", "UPDATE"}),
+    "outbox": frozenset({"SELECT"}),
+    "delivery_sweep": frozenset({"SELECT"}),
+}
 
 
 def combine(*parts: Grants) -> dict[str, frozenset[str]]:
@@ -153,7 +160,15 @@ def require_privileges(
         )
 
 
-def dlq_grants(*, replay: bool = False, purge: bool = False) -> dict[str, frozenset[str]]:
-    """What an audited ``pipeline dlq`` action needs: a replay, a purge, or (neither) a
-    sandbox replay, whose handlers need their own grants besides."""
-    return combine(DLQ_READ, AUDIT, DLQ_REPLAY if replay else {}, DLQ_PURGE if purge else {})
+def dlq_grants(
+    *, replay: bool = False, purge: bool = False, abandon: bool = False
+) -> dict[str, frozenset[str]]:
+    """What an audited ``pipeline dlq`` action needs: a replay, a purge, abandoned
+    deliveries, or (none) a sandbox replay, whose handlers need their own grants besides."""
+    return combine(
+        DLQ_READ,
+        AUDIT,
+        DLQ_REPLAY if replay else {},
+        DLQ_PURGE if purge else {},
+        DLQ_ABANDON if abandon else {},
+    )

@@ -821,3 +821,123 @@ def test_groups_replay_exactly_one_cause_in_order_audited(engine, dlq_settings, 
     latest = dlq_json(dlq_settings, "audit")[0]
     assert (latest["action"], latest["affected"]) == ("dlq.purge", 90)
     assert latest["parameters"]["filter"] == {"group": declined["fingerprint"]}
+
+
+def publish_to(settings: Settings, routes: Registry, count: int, engine) -> list[uuid.UUID]:
+    """``count`` orders published by a relay's drainer with ``routes`` (the real broker)."""
+    ids = produce(engine, [NewEvent("order.placed", {"order_id": f"w{i}"}) for i in range(count)])
+    runtime = build_runtime(settings, routes, set_global_broker=False)
+    try:
+        with psycopg.connect(settings.require_database_url(), autocommit=True) as conn:
+            drainer = Drainer(settings, runtime.publisher, routes, "t", conn)
+            while drainer.run_batch().claimed:
+                pass
+    finally:
+        runtime.close()
+    return ids
+
+
+def owed_gauge(settings: Settings) -> dict[str, int]:
+    from pipeline.db.stores.state import StateStore
+
+    with psycopg.connect(settings.require_database_url(), autocommit=True) as conn:
+        return StateStore(settings.schema_name).snapshot(conn, 0.0).owed
+
+
+def sweep(settings: Settings, routes: Registry):
+    """One ledger sweep, as a relay with ``routes`` runs it."""
+    from pipeline.relay.ledger import DeliveryLedger
+
+    runtime = build_runtime(settings, routes, set_global_broker=False)
+    try:
+        with psycopg.connect(settings.require_database_url(), autocommit=True) as conn:
+            return DeliveryLedger(settings, routes, runtime.publisher).sweep(conn)
+    finally:
+        runtime.close()
+
+
+def test_owed_lists_deliveries_and_abandon_finishes_only_a_removed_consumers(engine, dlq_settings):
+    # a relay that still routes to "legacy", a consumer the app no longer has
+    routes = Registry()
+    routes.subscribe("payments", ["order.placed"])
+    routes.subscribe("legacy", ["order.placed"])
+    now = dlq_settings.replace(redelivery_horizon_seconds=0.01)
+    recorded = publish_to(now, routes, 3, engine)
+    accounted: list[int] = []
+
+    def swept_all() -> bool:
+        result = sweep(now, routes)
+        assert not result.redelivered  # the copies still wait on the queues: nothing owed yet
+        accounted.append(result.accounted)
+        return sum(accounted) == 6
+
+    wait_until(swept_all, timeout=30)
+    unrecorded = publish_to(now, routes, 2, engine)  # published after the sweep: no inbox row
+
+    owed = dlq_json(dlq_settings, "owed", "--min-age", "0")
+    assert {c["consumer"]: (c["owed"], c["registered"]) for c in owed["consumers"]} == {
+        "legacy": (5, False),
+        "payments": (5, True),
+    }
+    legacy = [d for d in owed["deliveries"] if d["consumer"] == "legacy"]
+    assert [(d["event_id"], d["recorded"]) for d in legacy] == [
+        *[(str(e), True) for e in recorded],
+        *[(str(e), False) for e in unrecorded],
+    ]
+    assert [d["age_seconds"] for d in legacy] == sorted(
+        (d["age_seconds"] for d in legacy), reverse=True
+    )  # oldest first
+    text_owed = dlq(dlq_settings, "owed", "--min-age", "0", "--limit", "4")
+    assert text_owed.returncode == 0, text_owed.stderr
+    assert "(the oldest 4 of 10; --limit shows more)" in text_owed.stdout
+    assert "consumer legacy: 5 owed" in text_owed.stdout
+    assert "NOT registered by the app modules" in text_owed.stdout
+    assert f"{recorded[0]}  legacy  order.placed  age " in text_owed.stdout
+    assert owed_gauge(now) == {"legacy": 5, "payments": 5}
+
+    one_line_error(
+        dlq(dlq_settings, "abandon", "--consumer", "payments", "--yes", "--reason", "r"),
+        1,
+        "consumer 'payments' is registered",
+    )
+    one_line_error(
+        dlq(dlq_settings, "abandon", "--consumer", "legacy", PIPELINE_APP_MODULES=""),
+        1,
+        "cannot tell whether consumer 'legacy' still exists",
+    )
+    one_line_error(
+        dlq(dlq_settings, "abandon", "--consumer", "legacy", "--yes"),
+        2,
+        "Missing option '--reason'",
+    )
+    before = checksums(dlq_settings)
+    dry = dlq(dlq_settings, "abandon", "--consumer", "legacy")
+    assert dry.returncode == 0, dry.stderr
+    assert "dry run: 5 deliveries owed to legacy would be abandoned; nothing changed" in dry.stdout
+    assert checksums(dlq_settings) == before and dlq_json(dlq_settings, "audit") == []
+
+    done = dlq_json(
+        dlq_settings, "abandon", "--consumer", "legacy", "--yes", "--reason", "legacy removed"
+    )
+    assert (done["abandoned"], done["owed"]) == (5, 5)
+    assert rows(
+        engine,
+        "SELECT status, last_error_class, count(*) FROM pipeline.inbox"
+        " WHERE consumer = 'legacy' GROUP BY 1, 2",
+    ) == [("dead", "DeliveryAbandoned", 5)]
+    assert rows(engine, "SELECT count(*) FROM pipeline.dead_letters") == [(0,)]
+    assert owed_gauge(now) == {"payments": 5}  # the other consumer still owed its five
+    (record,) = dlq_json(dlq_settings, "audit")
+    assert (record["action"], record["affected"]) == ("dlq.abandon", 5)
+    assert record["parameters"] == {
+        "consumer": "legacy",
+        "force": False,
+        "reason": "legacy removed",
+    }
+    # the next sweep records nothing again for it; nothing is owed to it any more
+    again = sweep(now, routes)
+    assert (again.accounted, dict(again.redelivered)) == (2, {})  # payments' two, not legacy's
+    assert owed_gauge(now) == {"payments": 5}
+    assert dlq(dlq_settings, "owed", "--consumer", "legacy", "--min-age", "0").stdout.strip() == (
+        "no deliveries owed for 0s or longer"
+    )

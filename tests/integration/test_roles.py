@@ -205,7 +205,9 @@ def test_the_documented_grants_are_exactly_what_relays_and_workers_check():
     assert documented_table_grants("worker") == code_grants(worker_grants(publishing=True))
     assert documented_table_grants("producer") == {("INSERT", "pipeline.outbox")}
     assert {p for p, _ in documented_table_grants("operator")} == {"SELECT"}
-    assert documented_table_grants("dlq") == code_grants(dlq_grants(replay=True, purge=True))
+    assert documented_table_grants("dlq") == code_grants(
+        dlq_grants(replay=True, purge=True, abandon=True)
+    )
     for role in ROLES:
         assert ("CONNECT", "DATABASE app") in documented_grants(role)
 

@@ -64,6 +64,10 @@ class AuditStore:
             {"audit_id": audit_id, "ids": list(dead_letter_ids), "max_listed": max_listed},
         )
 
+    def add_affected(self, conn: psycopg.Connection[Any], audit_id: int, count: int) -> None:
+        """Add ``count`` rows (not dead letters) to a record's count."""
+        conn.execute(self._queries["audit_add_affected"], {"audit_id": audit_id, "count": count})
+
     def record_prune(
         self, conn: psycopg.Connection[Any], actor: str, parameters: str, affected: int
     ) -> None:

@@ -1,7 +1,7 @@
 """The delivery ledger: which (event, consumer) deliveries are owed past the horizon.
 
 Used by the relay's sweep (:mod:`pipeline.relay.ledger`), inside one transaction it
-holds; see ``ledger.sql`` for the statements.
+holds, and by ``pipeline dlq owed`` and ``abandon``; see ``ledger.sql`` for the statements.
 """
 
 from __future__ import annotations
@@ -34,6 +34,26 @@ def _reason(status: str, redeliveries: int) -> str:
     if redeliveries > 0:
         return "resend_unanswered"
     return "retry_overdue" if status == "failed" else "no_outcome"
+
+
+class OwedRow(NamedTuple):
+    """One delivery owed, as ``pipeline dlq owed`` lists it."""
+
+    consumer: str
+    event_id: uuid.UUID
+    event_type: str
+    status: str
+    recorded: bool
+    """False: a sent event the sweep has not recorded for the consumer yet (no inbox row)."""
+    since: datetime
+    """When it was last delivered (or published, when not recorded)."""
+    age: float
+    attempts: int
+    redeliveries: int
+    consumer_total: int
+    """How many deliveries its consumer is owed in all."""
+    listed: bool
+    """Within the requested limit (else only there as its consumer's oldest)."""
 
 
 class LedgerStore:
@@ -115,3 +135,33 @@ class LedgerStore:
                 "event_ids": [event_id for _, event_id in deliveries],
             },
         )
+
+    # -- the operator's view (``pipeline dlq owed`` and ``abandon``) ----------------------
+    def owed_list(
+        self,
+        conn: psycopg.Connection[Any],
+        *,
+        min_age: float,
+        overlap: float,
+        consumer: str | None,
+        limit: int,
+    ) -> list[OwedRow]:
+        """Deliveries owed at least ``min_age`` seconds, oldest first: the first ``limit``
+        (``listed``) and each consumer's oldest, with per-consumer totals."""
+        rows = conn.execute(
+            self._queries["ledger_owed_list"],
+            {"min_age": min_age, "overlap": overlap, "consumer": consumer, "limit": limit},
+        ).fetchall()
+        return [OwedRow(*row) for row in rows]
+
+    def abandon(
+        self, conn: psycopg.Connection[Any], consumer: str, error: str, overlap: float, batch: int
+    ) -> tuple[int, int]:
+        """Finish up to ``batch`` recorded and ``batch`` unrecorded deliveries owed to
+        ``consumer`` as 'dead'; returns how many of each."""
+        row = conn.execute(
+            self._queries["ledger_abandon"],
+            {"consumer": consumer, "error": error, "overlap": overlap, "batch": batch},
+        ).fetchone()
+        assert row is not None  # one row of counts
+        return int(row[0]), int(row[1])

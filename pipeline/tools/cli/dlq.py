@@ -314,6 +314,97 @@ def purge_command(
         click.echo(f"purged {len(report.deleted)} dead letter(s) (audit record #{report.audit_id})")
 
 
+@dlq.command("owed")
+@click.option("--consumer", metavar="NAME", help="Only this consumer's deliveries.")
+@click.option(
+    "--min-age",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="SECONDS",
+    help="Owed at least this long (default: the redelivery horizon, "
+    "PIPELINE_REDELIVERY_HORIZON_SECONDS, as the owed gauge counts them; 0: all in flight).",
+)
+@limit_option(LIST_LIMIT, "List at most this many (oldest first).")
+@apps_option()
+@json_option()
+@click.pass_context
+def owed_command(
+    ctx: click.Context,
+    consumer: str | None,
+    min_age: float | None,
+    limit: int,
+    apps: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """List deliveries owed to consumers, oldest first: event id, consumer, age.
+
+    A delivery is owed while its consumer has recorded no outcome for the event; the
+    relay's ledger sends it again. Per consumer: how many, the oldest, and whether the
+    app modules (PIPELINE_APP_MODULES or --app) still register it; deliveries owed to a
+    consumer that no longer exists can be abandoned (`pipeline dlq abandon`).
+    """
+    from pipeline.policy import redelivery_horizon
+    from pipeline.tools.ops.dlq.owed import list_owed
+    from pipeline.tools.ops.dlq.render import render_owed
+
+    settings = settings_of(ctx, apps)
+    age = redelivery_horizon(settings) if min_age is None else min_age
+    report = list_owed(settings, consumer=consumer, min_age=age, limit=limit)
+    if as_json:
+        _echo_json(report.as_json())
+    else:
+        click.echo("\n".join(render_owed(report, limit)))
+
+
+@dlq.command("abandon")
+@click.option("--consumer", metavar="NAME", required=True, help="The consumer that is gone.")
+@yes_option("Abandon the deliveries (without --yes: a dry run that counts them).")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Even for a consumer the app modules register, or when no app modules are named.",
+)
+@reason_option()
+@apps_option()
+@json_option()
+@click.pass_context
+def abandon_command(
+    ctx: click.Context,
+    consumer: str,
+    yes: bool,
+    force: bool,
+    reason: str | None,
+    apps: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Abandon the deliveries owed to a consumer that no longer exists (removed or renamed).
+
+    Its unfinished deliveries, and sent events the ledger has not recorded for it yet,
+    are finished as dead for that consumer: nothing sends them again and the owed gauge
+    drops. Other consumers are untouched; no dead letter is written. A dry run unless
+    --yes; refused for a consumer the app modules (PIPELINE_APP_MODULES or --app) still
+    register unless --force. Audited.
+    """
+    from pipeline.tools.ops.dlq.owed import abandon_deliveries
+
+    why = _reason(reason, not yes)
+    report = abandon_deliveries(
+        settings_of(ctx, apps), consumer, dry_run=not yes, force=force, reason=why
+    )
+    if as_json:
+        _echo_json(report.as_json())
+    elif not yes:
+        click.echo(
+            f"dry run: {report.owed} deliveries owed to {consumer} would be abandoned; nothing "
+            "changed\nto abandon them: the same command with --yes --reason WHY"
+        )
+    else:
+        click.echo(
+            f"abandoned {report.abandoned} deliveries owed to {consumer} "
+            f"(audit record #{report.audit_id})"
+        )
+
+
 @dlq.command("audit")
 @limit_option(AUDIT_LIMIT, "Show the latest this many actions.")
 @json_option("Print a JSON array.")

@@ -1,6 +1,7 @@
 """The audit log: who did what to which scope, when, and how many rows it affected.
 
-Every operator action that changes something (a replay, a purge, a sandbox replay)
+Every operator action that changes something (a replay, a purge, a sandbox replay,
+abandoned deliveries)
 records itself before it starts, and counts what it affects in the same transaction
 as each change, so the record is exact even when the command is interrupted. Dry runs
 change nothing and are not recorded.
@@ -54,6 +55,12 @@ def count_affected(
 ) -> None:
     """Add dead letters to an action's record; call inside the transaction that acts on them."""
     AuditStore(schema).count_affected(conn, audit_id, dead_letter_ids, MAX_LISTED_IDS)
+
+
+def add_affected(conn: psycopg.Connection[Any], schema: str, audit_id: int, count: int) -> None:
+    """Add rows other than dead letters to an action's record (inside the transaction that
+    changes them)."""
+    AuditStore(schema).add_affected(conn, audit_id, count)
 
 
 def list_actions(conn: psycopg.Connection[Any], schema: str, limit: int) -> list[AuditRecord]:

@@ -52,9 +52,10 @@ def require_grants(
     *,
     replay: bool = False,
     purge: bool = False,
+    abandon: bool = False,
 ) -> None:
     """Refuse, naming every missing grant, before an action changes anything."""
-    grants = dlq_grants(replay=replay, purge=purge)
+    grants = dlq_grants(replay=replay, purge=purge, abandon=abandon)
     require_privileges(conn, settings.schema_name, grants, command)
 
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from pipeline.tools.ops.dlq.owed import OwedReport
 from pipeline.tools.ops.dlq.records import (
     DeadLetter,
     DeadLetterDetail,
@@ -214,4 +215,45 @@ def render_sandbox(runs: list[dict[str, Any]], audit_id: int) -> list[str]:
         f"sandbox: {len(ran)} dead letter(s) run, {len(ran) - failing} ok, {failing} with an "
         f"error; everything rolled back, nothing replayed (audit record #{audit_id})"
     )
+    return lines
+
+
+def _age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f}h"
+    return f"{seconds / 86400:.1f}d"
+
+
+def render_owed(report: OwedReport, limit: int) -> list[str]:
+    """Owed deliveries, oldest first, then one line per consumer."""
+    if not report.consumers:
+        return [f"no deliveries owed for {report.min_age:g}s or longer"]
+    lines = []
+    for row in report.deliveries:
+        state = row.status if row.recorded else "not recorded yet"
+        lines.append(
+            f"{row.event_id}  {row.consumer}  {row.event_type}  age {_age(row.age)}  {state}"
+            f"  attempts={row.attempts} redeliveries={row.redeliveries}"
+        )
+    listed = len(report.deliveries)
+    total = sum(c.total for c in report.consumers)
+    if listed < total:
+        lines.append(f"(the oldest {listed} of {total}; --limit shows more)")
+    for owed in report.consumers:
+        if owed.registered is False:
+            note = (
+                "  NOT registered by the app modules: if it was removed, "
+                f"pipeline dlq abandon --consumer {owed.consumer}"
+            )
+        elif owed.registered is None:
+            note = "  (name the app modules, PIPELINE_APP_MODULES or --app, to check it exists)"
+        else:
+            note = ""
+        lines.append(
+            f"consumer {owed.consumer}: {owed.total} owed, oldest {_age(owed.oldest_age)}{note}"
+        )
     return lines
