@@ -941,3 +941,47 @@ def test_owed_lists_deliveries_and_abandon_finishes_only_a_removed_consumers(eng
     assert dlq(dlq_settings, "owed", "--consumer", "legacy", "--min-age", "0").stdout.strip() == (
         "no deliveries owed for 0s or longer"
     )
+
+
+def test_fingerprints_normalise_the_variable_parts_of_a_message(engine, dlq_settings):
+    letters = [
+        # (consumer, event type, error class, error): the first four are one cause
+        ("payments", "order.placed", "Timeout", "Timeout: upstream 0x1f3a after 30.5 s"),
+        ("payments", "order.placed", "Timeout", "Timeout: upstream 0xdeadbeef after 2 s"),
+        ("payments", "order.placed", "Timeout", "upstream   0x9  after 7 s"),  # no class prefix
+        ("payments", "order.placed", "Timeout", "Timeout: upstream 0x0 after 1 s\n"),
+        # hex ids, quoted values and UUIDs
+        ("payments", "order.placed", "KeyError", "KeyError: 'a1b2c3d4e5f6' in ab12cd34ef"),
+        ("payments", "order.placed", "KeyError", 'KeyError: "x" in 0123abcd'),
+        ("payments", "order.placed", "KeyError", f"KeyError: {uuid.uuid4()} in 99887766ff"),
+        # the same message elsewhere is another cause: consumer, event type, class
+        ("audit", "order.placed", "Timeout", "Timeout: upstream 0x1 after 1 s"),
+        ("payments", "order.paid", "Timeout", "Timeout: upstream 0x1 after 1 s"),
+        ("payments", "order.placed", "Slow", "Slow: upstream 0x1 after 1 s"),
+    ]
+    with engine.begin() as conn:
+        for consumer, event_type, error_class, error in letters:
+            conn.execute(
+                text(
+                    "INSERT INTO pipeline.dead_letters (stage, consumer, event_type, reason,"
+                    " error_class, error) VALUES ('consume', :c, :t, 'gave up', :k, :e)"
+                ),
+                {"c": consumer, "t": event_type, "k": error_class, "e": error},
+            )
+    groups = dlq_json(dlq_settings, "groups")
+    found = {(g["consumer"], g["event_type"], g["error_class"], g["message"]): g for g in groups}
+    assert {key: g["count"] for key, g in found.items()} == {
+        ("payments", "order.placed", "Timeout", "upstream <hex> after <n> s"): 4,
+        ("payments", "order.placed", "KeyError", "<str> in <hex>"): 2,
+        ("payments", "order.placed", "KeyError", "<uuid> in <hex>"): 1,
+        ("audit", "order.placed", "Timeout", "upstream <hex> after <n> s"): 1,
+        ("payments", "order.paid", "Timeout", "upstream <hex> after <n> s"): 1,
+        ("payments", "order.placed", "Slow", "upstream <hex> after <n> s"): 1,
+    }
+    assert len({g["fingerprint"] for g in groups}) == 6
+    timeouts = found[("payments", "order.placed", "Timeout", "upstream <hex> after <n> s")]
+    assert timeouts["sample_error"] == "Timeout: upstream 0x1f3a after 30.5 s"  # the oldest
+    members = dlq_json(dlq_settings, "list", "--group", timeouts["fingerprint"])
+    assert [d["error"] for d in members] == [e for _, _, _, e in letters[:4]]
+    scoped = dlq_json(dlq_settings, "groups", "--error-class", "KeyError", "--limit", "1")
+    assert [g["count"] for g in scoped] == [2]

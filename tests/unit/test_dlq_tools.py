@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -19,7 +20,8 @@ from pipeline.tools.ops.audit import AuditRecord, render_actions
 from pipeline.tools.ops.dlq.events import event_from_envelope
 from pipeline.tools.ops.dlq.filters import FilterError, build_filter, parse_when
 from pipeline.tools.ops.dlq.rate import TokenBucket
-from pipeline.tools.ops.dlq.records import DeadLetter
+from pipeline.tools.ops.dlq.records import DeadLetter, DeadLetterGroup, FailedAttempt
+from pipeline.tools.ops.dlq.render import attempt_error, render_groups
 from pipeline.tools.ops.dlq.replay import plan_replay, require_routes
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -51,6 +53,8 @@ def test_time_bounds_are_timestamps_or_durations_back_from_now(text, expected):
         ({"event_ids": ("xyz",)}, "--event-id 'xyz' is not an event id"),
         ({"caused_by": "1234"}, "--caused-by '1234' is not an event id"),
         ({"stage": "both"}, "--stage must be one of publish, consume"),
+        ({"group": "3b1f0c9a7d2"}, "--group '3b1f0c9a7d2' is not a fingerprint"),
+        ({"group": "3b1f0c9a7d2g"}, "--group '3b1f0c9a7d2g' is not a fingerprint"),
     ],
 )
 def test_bad_filters_name_the_option(options, message):
@@ -72,6 +76,53 @@ def test_filter_parameters_and_audit_record():
         "event_id": [str(event)],
         "since_resolved": (NOW - timedelta(hours=2)).isoformat(),
     }
+
+
+def test_a_group_is_a_scope_resolved_to_ids_later():
+    scope = build_filter(group=" 3B1F0C9A7D22 ")
+    assert scope.scoped and scope.group == "3b1f0c9a7d22"
+    assert scope.params()["group_ids"] is None  # looked up in SQL before the selection
+    assert replace(scope, group_ids=(4, 2)).params()["group_ids"] == [4, 2]
+    assert scope.as_json() == {"group": " 3B1F0C9A7D22 "}  # as the operator typed it
+
+
+def test_groups_table_lists_counts_then_message_and_sample():
+    group = DeadLetterGroup(
+        fingerprint="3b1f0c9a7d22",
+        stage="consume",
+        consumer="payments",
+        event_type="order.placed",
+        error_class="Poison",
+        message="cannot charge order o<n>",
+        count=110,
+        waiting=7,
+        first_seen=NOW - timedelta(hours=1),
+        last_seen=NOW,
+        sample_id=41,
+        sample_error="Poison: cannot charge order o1\nTraceback line",
+    )
+    lines = render_groups([group], 50)
+    assert lines[0].split() == [
+        "FINGERPRINT", "COUNT", "WAITING", "FIRST", "SEEN", "LAST", "SEEN", "STAGE", "CONSUMER"
+    ]  # fmt: skip
+    assert lines[1].split()[:3] == ["3b1f0c9a7d22", "110", "7"]
+    assert lines[2] == "    order.placed  Poison: cannot charge order o<n>"
+    assert lines[3] == "    sample #41: Poison: cannot charge order o1"
+    assert lines[4] == "1 group(s), 110 dead letter(s)"
+    assert render_groups([], 50) == ["no dead letters match"]
+    assert group.as_json()["count"] == 110 and "ids" not in group.as_json()
+
+
+@pytest.mark.parametrize(
+    ("error_class", "error", "shown"),
+    [
+        ("CardDeclined", "CardDeclined: card 4242 declined", "CardDeclined: card 4242 declined"),
+        ("CardDeclined", "card 4242 declined", "CardDeclined: card 4242 declined"),
+        ("Timeout", "TimeoutError: slow", "Timeout: TimeoutError: slow"),
+    ],
+)
+def test_an_attempts_error_class_is_written_once(error_class, error, shown):
+    assert attempt_error(FailedAttempt(1, error_class, error, NOW)) == shown
 
 
 class FakeClock:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pipeline.tools.ops.dlq.owed import OwedReport
 from pipeline.tools.ops.dlq.records import (
     DeadLetter,
     DeadLetterDetail,
@@ -15,6 +14,9 @@ from pipeline.tools.ops.dlq.records import (
     FailedAttempt,
 )
 from pipeline.tools.ops.dlq.replay import ReplayStep, StepResult
+
+if TYPE_CHECKING:
+    from pipeline.tools.ops.dlq.owed import OwedReport
 
 
 def _when(value: datetime | None) -> str:
