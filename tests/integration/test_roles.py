@@ -666,8 +666,13 @@ def test_each_dlq_grant_is_checked_before_anything_changes(deployment, monkeypat
         " (SELECT count(*) FROM pipeline.dead_letters WHERE replayed_at IS NULL)"
     )
     for privilege, name in sorted(documented_table_grants("dlq")):
-        # DELETE is a purge's grant; every other one a replay's (the check comes first)
-        action = ["purge", "--all"] if privilege == "DELETE" else ["replay"]
+        # DELETE is a purge's grant, delivery_sweep an abandon's; every other one a
+        # replay's (the check comes first)
+        action = ["replay"]
+        if privilege == "DELETE":
+            action = ["purge", "--all"]
+        elif name.endswith(".delivery_sweep"):
+            action = ["abandon", "--consumer", "retired", "--force", "--yes"]
         command = ["dlq", *action, "--reason", "r"]
         deployment.admin(deployment.render(f"REVOKE {privilege} ON {name} FROM pipeline_dlq"))
         try:
