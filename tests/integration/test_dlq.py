@@ -792,12 +792,25 @@ def test_groups_replay_exactly_one_cause_in_order_audited(engine, dlq_settings, 
     after = {g["error_class"]: (g["count"], g["waiting"]) for g in dlq_json(dlq_settings, "groups")}
     assert after == {"Poison": (110, 0), "CardDeclined": (90, 90)}
 
-    with running_pipeline(dlq_settings, APP, threads=2):
+    # a relay and a worker as real processes take the replayed deliveries
+    metrics = tmp_path / "metrics"
+    metrics.mkdir()
+    relay = start_relay(dlq_settings, APP, tmp_path / "relay.log")
+    worker = start_worker(
+        dlq_settings, APP, tmp_path / "worker.log", 1, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics)
+    )
+    try:
         wait_until(
             lambda: sum(effects(engine, "shipping").values()) == 110,
             timeout=120,
             progress=lambda: sum(effects(engine, "shipping").values()),
+            alive=(relay, worker),
         )
+    finally:
+        stop_process(worker)
+        stop_process(relay)
+    processed = multiprocess_metric(metrics, "pipeline_inbox_processed_total", consumer="payments")
+    assert processed == 110
     statuses = dict(
         rows(
             engine,
