@@ -175,7 +175,7 @@ def show_command(ctx: click.Context, dead_letter_id: int, payload: bool, as_json
     metavar="EVENTS_PER_SECOND",
 )
 @yes_option("Replay the --group (without --yes, a --group replay is a dry run).")
-@reason_option()
+@reason_option("Why (kept in the audit log); required unless it is a dry run.")
 @apps_option()
 @json_option()
 @click.pass_context
@@ -262,7 +262,7 @@ def _echo_plan(plan: ReplayPlan, as_json: bool, needs_yes: bool = False) -> None
 @waiting_option()
 @dry_run_option("Print what would be deleted; delete nothing.")
 @yes_option("Purge the --group (without --yes, a --group purge is a dry run).")
-@reason_option()
+@reason_option("Why (kept in the audit log); required unless it is a dry run.")
 @json_option()
 @click.pass_context
 def purge_command(
@@ -364,7 +364,7 @@ def owed_command(
     is_flag=True,
     help="Even for a consumer the app modules register, or when no app modules are named.",
 )
-@reason_option()
+@reason_option("Why (kept in the audit log); required with --yes.")
 @apps_option()
 @json_option()
 @click.pass_context

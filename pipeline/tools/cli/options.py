@@ -93,8 +93,10 @@ def yes_option(help: str) -> Callable[[F], F]:
     return click.option("--yes", is_flag=True, help=help)
 
 
-def reason_option() -> Callable[[F], F]:
-    return click.option("--reason", help="Why (kept in the audit log); required unless --dry-run.")
+def reason_option(
+    help: str = "Why (kept in the audit log); required unless --dry-run.",
+) -> Callable[[F], F]:
+    return click.option("--reason", help=help)
 
 
 def limit_option(default: int | None, help: str) -> Callable[[F], F]:
