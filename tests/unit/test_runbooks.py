@@ -128,6 +128,7 @@ EXAMPLES = {
     "EVENT_ID": "0190c5a4-0000-7000-8000-000000000001",
     "DEAD_LETTER_ID": "41",
     "STAGE": "consume",
+    "FINGERPRINT": "3b1f0c9a7d22",
 }
 
 

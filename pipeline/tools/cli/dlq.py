@@ -307,9 +307,7 @@ def purge_command(
             f"dry run: {len(report.letters)} dead letter(s) would be deleted (their outbox and "
             "inbox rows stay dead); nothing changed"
         )
-    if needs_yes and plan.acting:
-        lines.append("to replay this group: the same command with --yes --reason WHY")
-    click.echo(printable_lines(lines))
+        click.echo(printable_lines(lines))
     else:
         click.echo(f"purged {len(report.deleted)} dead letter(s) (audit record #{report.audit_id})")
 
