@@ -33,6 +33,8 @@ PLAYBOOKS = (
     "redelivery-storm",
     "clock-skew",
     "replay-dead-letters",
+    "sentinel-failover",
+    "partitioned-worker-host",
 )
 PAGES = sorted(p for p in RUNBOOKS_DIR.glob("*.md") if p.name != "README.md")
 FENCE = re.compile(r"^( *)```(\w+)[^\n]*\n(.*?)^\1```$", re.MULTILINE | re.DOTALL)
