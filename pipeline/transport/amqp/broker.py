@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from functools import partial
 from typing import Any
@@ -50,9 +49,9 @@ from dramatiq.middleware import (
     TimeLimit,
 )
 
-from pipeline.backoff import Backoff
 from pipeline.config import Settings
 from pipeline.transport.base import UndecodableSink
+from pipeline.transport.outage import BrokerOutage
 
 log = logging.getLogger("pipeline.transport.broker")
 # pika logs every connection's steps at INFO and each failed one in a dozen ERROR lines
@@ -83,42 +82,6 @@ def queue_arguments(namespace: str, canonical: str) -> dict[str, Any]:
 def dead_queue_arguments() -> dict[str, Any]:
     """The arguments of a dead-letter queue: quorum, messages kept Dramatiq's dead TTL."""
     return {**QUORUM, "x-message-ttl": DEAD_MESSAGE_TTL}
-
-
-class BrokerOutage:
-    """A process's view of RabbitMQ being down: one log line per backoff step."""
-
-    def __init__(self, first: float = 0.5, cap: float = 10.0) -> None:
-        self._lock = threading.Lock()
-        self._backoff = Backoff(first, cap)
-        self._next_try = 0.0
-
-    def failed(self, exc: BaseException) -> float:
-        """Record a failure; the seconds to wait before the next try."""
-        with self._lock:
-            now = time.monotonic()
-            if now < self._next_try:
-                return self._next_try - now
-            delay = self._backoff.next_delay()
-            self._next_try = now + delay
-        log.warning(
-            f"RabbitMQ unreachable: {type(exc).__name__}: {exc}; next try in {delay:.1f}s",
-            extra={"error_class": type(exc).__name__, "retry_in": delay},
-        )
-        return delay
-
-    def pause(self) -> float:
-        """Seconds until the next try is due (0 when RabbitMQ is not known to be down)."""
-        return max(0.0, self._next_try - time.monotonic()) if self._backoff.failures else 0.0
-
-    def succeeded(self) -> None:
-        if not self._backoff.failures:
-            return
-        with self._lock:
-            recovered = self._backoff.reset()
-            self._next_try = 0.0
-        if recovered:
-            log.info("RabbitMQ reachable again: consuming")
 
 
 class PipelineRabbitmqConsumer(_RabbitmqConsumer):
@@ -274,7 +237,7 @@ class PipelineRabbitmqBroker(RabbitmqBroker):
         super().__init__(confirm_delivery=True, max_priority=None, **kwargs)
         self.namespace = namespace
         self.prefetch_max = prefetch_max
-        self.outage = BrokerOutage(cap=outage_backoff_max)
+        self.outage = BrokerOutage("RabbitMQ", cap=outage_backoff_max)
 
     @property
     def consumer_class(self) -> type[PipelineRabbitmqConsumer]:

@@ -26,14 +26,13 @@ Both go to :attr:`PipelineRedisBroker.missing_body_sink`. Only undecodable bodie
 bare values pushed on a queue by something other than a Dramatiq client, are handed to
 :attr:`PipelineRedisBroker.undecodable_sink` (a dead letter) and removed, instead of
 being stuck in the consumer's un-acked set. While Redis is down a
-worker process waits with growing pauses, logging one line per pause (:class:`RedisOutage`).
+worker process waits with growing pauses, logging one line per pause (:class:`BrokerOutage`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -55,9 +54,9 @@ from dramatiq.middleware import (
     TimeLimit,
 )
 
-from pipeline.backoff import Backoff
 from pipeline.config import Settings
 from pipeline.transport.base import MissingBodySink, UndecodableSink
+from pipeline.transport.outage import BrokerOutage
 from pipeline.transport.redis.client import redis_client
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
 from pipeline.transport.redis.keys import (
@@ -139,49 +138,10 @@ def _malformed(message: Message[Any]) -> str | None:
     return None
 
 
-class RedisOutage:
-    """A worker process's view of Redis being down, shared by all its consumers.
-
-    The first consumer to fail in a backoff step logs one line (the reason and the wait)
-    and sets when the next try is due; consumers stay off Redis until then. The first
-    fetch that succeeds again logs the recovery and resets the waits.
-    """
-
-    def __init__(self, first: float = 0.5, cap: float = 10.0) -> None:
-        self._lock = threading.Lock()
-        self._backoff = Backoff(first, cap)
-        self._next_try = 0.0
-
-    def failed(self, exc: BaseException) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now < self._next_try:
-                return  # another consumer already reported this step
-            delay = self._backoff.next_delay()
-            self._next_try = now + delay
-        log.warning(
-            f"Redis unreachable: {type(exc).__name__}: {exc}; next try in {delay:.1f}s",
-            extra={"error_class": type(exc).__name__, "retry_in": delay},
-        )
-
-    def pause(self) -> float:
-        """Seconds until the next try is due (0 when Redis is not known to be down)."""
-        return max(0.0, self._next_try - time.monotonic()) if self._backoff.failures else 0.0
-
-    def succeeded(self) -> None:
-        if not self._backoff.failures:
-            return
-        with self._lock:
-            recovered = self._backoff.reset()
-            self._next_try = 0.0
-        if recovered:
-            log.info("Redis reachable again: consuming")
-
-
 class WakeableRedisConsumer(_RedisConsumer):
     """Dramatiq's Redis consumer, waking on a wake-up list instead of sleeping blind.
 
-    While Redis is down it waits out the broker's :class:`RedisOutage` (one log line per
+    While Redis is down it waits out the broker's :class:`BrokerOutage` (one log line per
     backoff step for the whole process) instead of raising to Dramatiq, whose consumer
     threads would each log a critical error and restart every three seconds.
 
@@ -198,7 +158,7 @@ class WakeableRedisConsumer(_RedisConsumer):
         self._held_ids: set[Any] = set()  # Redis ids handed to worker threads, not finished
 
     def __next__(self) -> Any:
-        outage: RedisOutage = self.broker.outage
+        outage: BrokerOutage = self.broker.outage
         pause = outage.pause()
         if pause:  # short naps: the consumer thread must see a stop request promptly
             time.sleep(min(pause, self.timeout / 1000))
@@ -380,7 +340,7 @@ class PipelineRedisBroker(RedisBroker):
 
     def __init__(self, *args: Any, outage_backoff_max: float = 10.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
-        self.outage = RedisOutage(cap=outage_backoff_max)
+        self.outage = BrokerOutage("Redis", cap=outage_backoff_max)
         self.take_bare_values = self.client.register_script(_TAKE_BARE_VALUES)
 
     @property
