@@ -188,3 +188,22 @@ class Transport(ABC):
     def close(self) -> None:
         """Close the broker's connections."""
         self.broker.close()
+
+
+def worker_middleware() -> list[Any]:
+    """The Dramatiq middleware stack of a worker's broker, whichever the transport.
+
+    Retries sends a message whose actor raised back to its queue with exponential backoff
+    (without it, Dramatiq 2 acknowledges the message and it is gone); handler errors never
+    reach it, so what it retries is an infrastructure failure.
+    """
+    from dramatiq.middleware import (
+        AgeLimit,
+        Callbacks,
+        Pipelines,
+        Retries,
+        ShutdownNotifications,
+        TimeLimit,
+    )
+
+    return [AgeLimit(), TimeLimit(), ShutdownNotifications(), Callbacks(), Pipelines(), Retries()]

@@ -40,17 +40,9 @@ from dramatiq.brokers.rabbitmq import (
 from dramatiq.common import current_millis, dq_name, q_name, xq_name
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
-from dramatiq.middleware import (
-    AgeLimit,
-    Callbacks,
-    Pipelines,
-    Retries,
-    ShutdownNotifications,
-    TimeLimit,
-)
 
 from pipeline.config import Settings
-from pipeline.transport.base import UndecodableSink
+from pipeline.transport.base import UndecodableSink, worker_middleware
 from pipeline.transport.outage import BrokerOutage
 
 log = logging.getLogger("pipeline.transport.broker")
@@ -337,18 +329,7 @@ def make_broker(
     ``timeout`` bounds connecting and each blocked call (pika's ``socket_timeout`` and
     ``blocked_connection_timeout``); None leaves pika's defaults.
     """
-    stack = (
-        middleware
-        if middleware is not None
-        else [
-            AgeLimit(),
-            TimeLimit(),
-            ShutdownNotifications(),
-            Callbacks(),
-            Pipelines(),
-            Retries(),
-        ]
-    )
+    stack = middleware if middleware is not None else worker_middleware()
     parameters = connection_parameters(settings.require_broker_url(), timeout)
     return PipelineRabbitmqBroker(
         namespace=settings.redis_namespace,

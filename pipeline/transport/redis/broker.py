@@ -45,17 +45,9 @@ from dramatiq.brokers.redis import RedisBroker, _RedisConsumer
 from dramatiq.common import compute_backoff, current_millis
 from dramatiq.errors import ConnectionClosed, DecodeError
 from dramatiq.message import Message
-from dramatiq.middleware import (
-    AgeLimit,
-    Callbacks,
-    Pipelines,
-    Retries,
-    ShutdownNotifications,
-    TimeLimit,
-)
 
 from pipeline.config import Settings
-from pipeline.transport.base import MissingBodySink, UndecodableSink
+from pipeline.transport.base import MissingBodySink, UndecodableSink, worker_middleware
 from pipeline.transport.outage import BrokerOutage
 from pipeline.transport.redis.client import redis_client
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
@@ -469,18 +461,7 @@ def make_broker(
     ``timeout`` bounds every Redis call (connect and reply) of the broker's client; None
     (workers, relays) blocks as long as a call takes.
     """
-    stack = (
-        middleware
-        if middleware is not None
-        else [
-            AgeLimit(),
-            TimeLimit(),
-            ShutdownNotifications(),
-            Callbacks(),
-            Pipelines(),
-            Retries(),
-        ]
-    )
+    stack = middleware if middleware is not None else worker_middleware()
     client = redis_client(settings.require_redis_url(), timeout)
     return PipelineRedisBroker(
         namespace=settings.redis_namespace,
