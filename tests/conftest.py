@@ -20,7 +20,9 @@ import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
@@ -80,6 +82,19 @@ def initdb_once() -> Iterator[None]:
         shutil.rmtree(cache, ignore_errors=True)
 
 
+Server = TypeVar("Server", EmbeddedPostgres, EmbeddedRedis)
+
+
+@contextmanager
+def _started(server: Server) -> Iterator[Server]:
+    """``server`` started, and removed with its data when the block ends."""
+    server.start()
+    try:
+        yield server
+    finally:
+        server.cleanup()
+
+
 def _replace_dbname(url: str, dbname: str) -> str:
     parts = urlsplit(url)
     return urlunsplit(parts._replace(path=f"/{dbname}"))
@@ -91,12 +106,8 @@ def postgres_server_url() -> Iterator[str]:
     if given:
         yield libpq_url(given)
         return
-    server = EmbeddedPostgres(durable=False)
-    server.start()
-    try:
+    with _started(EmbeddedPostgres(durable=False)) as server:
         yield server.url
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture(scope="session")
@@ -105,12 +116,8 @@ def redis_server_url() -> Iterator[str]:
     if given:
         yield given
         return
-    server = EmbeddedRedis()
-    server.start()
-    try:
+    with _started(EmbeddedRedis()) as server:
         yield server.url
-    finally:
-        server.cleanup()
 
 
 def _admin(url: str) -> psycopg.Connection[tuple[object, ...]]:
@@ -250,23 +257,15 @@ def engine(settings: Settings) -> Iterator[Engine]:
 @pytest.fixture
 def private_postgres() -> Iterator[EmbeddedPostgres]:
     """A Postgres server of this test's own, which the test may kill and restart."""
-    server = EmbeddedPostgres(durable=True)
-    server.start()
-    try:
+    with _started(EmbeddedPostgres(durable=True)) as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture
 def private_redis() -> Iterator[EmbeddedRedis]:
     """A Redis server of this test's own, which the test may kill and restart."""
-    server = EmbeddedRedis()
-    server.start()
-    try:
+    with _started(EmbeddedRedis()) as server:
         yield server
-    finally:
-        server.cleanup()
 
 
 @pytest.fixture

@@ -11,9 +11,11 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,8 @@ import redis
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from pipeline import NewEvent, Settings, add_events
+from pipeline import NewEvent, Settings, add_events, configure
+from pipeline.envelope import OutboxEvent
 from pipeline.registry import Registry
 from pipeline.registry import registry as global_registry
 from pipeline.relay.relay import Relay
@@ -41,6 +44,32 @@ def soak(short: int, long: int) -> int:
     mid-batch, keys interleave); the long one is the soak, for a release or a suspicion.
     """
     return long if SOAK else short
+
+
+QUICK_FAULTS: dict[str, Any] = {
+    "lease_seconds": 3.0,
+    "poll_interval_max": 0.5,
+    "broker_heartbeat_timeout_ms": 3000,
+    "broker_maintenance_chance": 200_000,
+}
+"""Settings under which a dead relay or worker shows within seconds (short lease, quick
+polls, short heartbeats) and Redis maintenance never runs in the middle of a test."""
+
+
+@contextmanager
+def installed_settings(
+    settings: Settings, engine: Engine, tables: str, **overrides: Any
+) -> Iterator[Settings]:
+    """``settings`` with ``overrides``, installed process-wide, after creating the test's
+    ``tables``; the session's settings are installed again afterwards."""
+    with engine.begin() as conn:
+        conn.exec_driver_sql(tables)
+    value = settings.replace(**overrides)
+    configure(value)
+    try:
+        yield value
+    finally:
+        configure(settings)
 
 
 def wait_until(
@@ -133,6 +162,33 @@ def produce(engine: Engine, events: list[NewEvent], per_transaction: int = 100) 
         with Session(engine) as session, session.begin():
             ids += add_events(session, events[start : start + per_transaction])
     return ids
+
+
+def outbox_event(**overrides: Any) -> OutboxEvent:
+    """An event as the relay reads it from the outbox, with every field set (``overrides``
+    change some): what envelope and dead-letter tests encode and decode."""
+    values = dict(
+        id=uuid.uuid4(),
+        seq=7,
+        aggregate_type="order",
+        aggregate_id="o-1",
+        ordering_key="order:o-1",
+        event_type="order.placed",
+        event_version=2,
+        payload_json='{"total":42,"items":["a","é"]}',
+        headers_json=json.dumps(
+            {
+                "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
+                "correlation_id": "c-1",
+                "causation_id": "x-1",
+                "tenant": "t",
+            }
+        ),
+        attempts=1,
+        created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
+    )
+    values.update(overrides)
+    return OutboxEvent(**values)
 
 
 @contextmanager
@@ -316,20 +372,20 @@ def start_process(argv: list[str], env: dict[str, str], log: Path) -> subprocess
     )
 
 
+def cli_argv(*args: str) -> list[str]:
+    """The command line of ``pipeline ARGS`` in a fresh interpreter of this venv."""
+    return [sys.executable, "-m", "pipeline.tools.cli", *args]
+
+
+def worker_argv(processes: int, threads: int, *args: str) -> list[str]:
+    """``pipeline worker`` with ``processes`` x ``threads`` (and ``args``)."""
+    return cli_argv("worker", "--processes", str(processes), "--threads", str(threads), *args)
+
+
 def start_worker(
     settings: Settings, app: str, log: Path, processes: int = 1, threads: int = 4, **env: str
 ) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        "-m",
-        "pipeline.tools.cli",
-        "worker",
-        "--processes",
-        str(processes),
-        "--threads",
-        str(threads),
-    ]
-    return start_process(argv, pipeline_env(settings, app, **env), log)
+    return start_process(worker_argv(processes, threads), pipeline_env(settings, app, **env), log)
 
 
 def multiprocess_metric(directory: Path, name: str, **labels: str) -> float:
@@ -354,8 +410,7 @@ def multiprocess_metric(directory: Path, name: str, **labels: str) -> float:
 def start_relay(
     settings: Settings, app: str, log: Path, *args: str, **env: str
 ) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "pipeline.tools.cli", "relay", *args]
-    return start_process(argv, pipeline_env(settings, app, **env), log)
+    return start_process(cli_argv("relay", *args), pipeline_env(settings, app, **env), log)
 
 
 def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:

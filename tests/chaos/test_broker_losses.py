@@ -17,8 +17,9 @@ from tests.chaos.orders import (
     assert_each_stage_once,
     place_orders,
     scalar,
-    stage_counts,
     status_json,
+    wait_all_notified,
+    wait_all_sent,
 )
 from tests.support import (
     pipeline_env,
@@ -43,15 +44,7 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
         relay = start_relay(settings, APP, tmp_path / "relay.log")
         try:
             place_orders(engine, orders)
-            wait_until(
-                lambda: (
-                    scalar(engine, "SELECT count(*) FROM pipeline.outbox WHERE status = 'sent'")
-                    == len(orders)
-                ),
-                timeout=60,
-                progress=lambda: scalar(engine, "SELECT count(*) FROM pipeline.outbox"),
-                alive=[relay],
-            )
+            wait_all_sent(engine, len(orders), [relay])
         finally:
             stop_process(relay)
         redis_server.kill()  # no persistence: every message is gone
@@ -75,13 +68,7 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
         relay = start_relay(settings, APP, tmp_path / "relay2.log")
         workers = start_worker(settings, APP, tmp_path / "worker.log", 2, 4)
         try:
-            wait_until(
-                lambda: len(stage_counts(engine, "notifications")) == len(orders),
-                timeout=60,
-                interval=0.5,
-                progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
-                alive=[relay, workers],
-            )
+            wait_all_notified(engine, orders, [relay, workers])
             time.sleep(1.0)
             code, status = status_json(settings)
         finally:
@@ -110,15 +97,7 @@ def test_a_redis_that_restarts_empty_is_noticed_and_owed_deliveries_are_sent_at_
         workers = None
         try:
             place_orders(engine, orders)
-            wait_until(
-                lambda: (
-                    scalar(engine, "SELECT count(*) FROM pipeline.outbox WHERE status = 'sent'")
-                    == len(orders)
-                ),
-                timeout=60,
-                progress=lambda: scalar(engine, "SELECT count(*) FROM pipeline.outbox"),
-                alive=[relay],
-            )
+            wait_all_sent(engine, len(orders), [relay])
             redis_server.kill()  # no persistence: every message is gone
             redis_server.start()
             wait_until(
@@ -127,13 +106,7 @@ def test_a_redis_that_restarts_empty_is_noticed_and_owed_deliveries_are_sent_at_
                 alive=[relay],
             )
             workers = start_worker(settings, APP, tmp_path / "worker.log", 1, 4)
-            wait_until(
-                lambda: len(stage_counts(engine, "notifications")) == len(orders),
-                timeout=60,
-                interval=0.5,
-                progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
-                alive=[relay, workers],
-            )
+            wait_all_notified(engine, orders, [relay, workers])
         finally:
             if workers is not None:
                 stop_process(workers)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from typing import Any
 
 import psycopg
@@ -18,7 +17,7 @@ import redis
 
 from pipeline.tools.drill.faults import ONE_HOST_KINDS, STAGING_KINDS
 from pipeline.tools.drill.report import render_text
-from tests.support import SOAK
+from tests.support import SOAK, cli_argv
 
 pytestmark = pytest.mark.chaos
 
@@ -29,7 +28,7 @@ def drill(
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
     env.update(settings)
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "drill", "--json", *args],
+        cli_argv("drill", "--json", *args),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -102,7 +101,7 @@ def test_network_faults_need_hosts_and_proxy_faults_refuse_them():
         ),
     ):
         result = subprocess.run(
-            [sys.executable, "-m", "pipeline.tools.cli", "drill", *args],
+            cli_argv("drill", *args),
             capture_output=True,
             text=True,
             timeout=60,
@@ -146,16 +145,13 @@ def test_staging_mode_never_touches_what_it_did_not_create(
 
 def test_a_server_fault_against_a_given_server_is_refused_in_one_line():
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.tools.cli",
+        cli_argv(
             "drill",
             "--database-url",
             "postgresql://nobody@127.0.0.1:1/none",
             "--fault-kinds",
             "worker-kill,postgres-restart-immediate",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=60,

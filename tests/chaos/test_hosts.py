@@ -7,10 +7,8 @@ only timeouts and keepalives end a connection. Needs root (namespaces); skipped 
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,8 +21,10 @@ from pipeline.db.migrate import upgrade
 from pipeline.tools.harness.hosts import HostNetwork, host_network_problem
 from pipeline.tools.harness.postgres_server import EmbeddedPostgres
 from pipeline.tools.harness.redis_server import EmbeddedRedis
+from tests.chaos.orders import APP, stage_counts, wait_all_notified
 from tests.support import (
     SOAK,
+    cli_argv,
     pipeline_env,
     produce,
     start_process,
@@ -33,7 +33,7 @@ from tests.support import (
 )
 
 pytestmark = pytest.mark.chaos
-APP = "tests.apps.inbox_app"
+
 STAGES = ("payments", "inventory", "notifications")
 HOSTS = ("pg", "broker", "relay", "work", "app")
 
@@ -83,14 +83,8 @@ def cluster(network: HostNetwork, tmp_path: Path) -> Iterator[tuple[Settings, En
 
 
 def start_on(network: HostNetwork, host: str, settings: Settings, log: Path, *args: str):
-    argv = network[host].command([sys.executable, "-m", "pipeline.tools.cli", *args])
+    argv = network[host].command(cli_argv(*args))
     return start_process(argv, pipeline_env(settings, APP), log)
-
-
-def stage_counts(engine: Engine, stage: str) -> Counter[str]:
-    with engine.connect() as conn:
-        rows = conn.execute(text("SELECT order_id FROM effects WHERE stage = :s"), {"s": stage})
-        return Counter(order_id for (order_id,) in rows)
 
 
 def effects(engine: Engine) -> int:
@@ -149,13 +143,7 @@ def test_a_partition_between_hosts_heals_without_loss_or_duplicate(
             network.heal(*cut)
         producer.join(60)
         assert not producer.is_alive(), "the producer waited on a partition it is not part of"
-        wait_until(
-            lambda: len(stage_counts(engine, "notifications")) == len(orders),
-            timeout=90,
-            interval=0.5,
-            progress=lambda: effects(engine),
-            alive=[relay, workers],
-        )
+        wait_all_notified(engine, orders, [relay, workers], timeout=90)
         time.sleep(1.0)  # a late duplicate would show now
     finally:
         stop_process(workers)

@@ -17,8 +17,7 @@ from tests.chaos.orders import (
     APP,
     assert_each_stage_once,
     place_orders,
-    scalar,
-    stage_counts,
+    wait_all_notified,
 )
 from tests.support import (
     soak,
@@ -69,13 +68,7 @@ def test_worker_connections_killed_mid_handler_lose_nothing(engine, chaos_settin
     try:
         killer.start()
         killer.join(90)
-        wait_until(
-            lambda: len(stage_counts(engine, "notifications")) == len(orders),
-            timeout=60,
-            interval=0.5,
-            progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
-            alive=[relay, workers],
-        )
+        wait_all_notified(engine, orders, [relay, workers])
         recovered = time.monotonic() - last_kill[0]
         time.sleep(1.0)  # any late duplicate would show now
     finally:
@@ -129,13 +122,7 @@ def test_connections_killed_while_relay_and_workers_start_are_waited_out(
         time.sleep(3.0)  # the fault lasts through the workers' start-up too
         stop_killing.set()
         killer.join(10)
-        wait_until(
-            lambda: len(stage_counts(engine, "notifications")) == len(orders),
-            timeout=60,
-            interval=0.5,
-            progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
-            alive=[relay, workers],
-        )
+        wait_all_notified(engine, orders, [relay, workers])
     finally:
         stop_killing.set()
         killer.join(10)

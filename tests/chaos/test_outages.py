@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
 from tests.conftest import create_database
 from tests.support import (
     Ran,
+    cli_argv,
     log_size,
     pipeline_env,
     produce,
@@ -36,6 +36,7 @@ from tests.support import (
     start_process,
     stop_process,
     wait_until,
+    worker_argv,
 )
 
 RELAY_APP = "tests.apps.relay_app"
@@ -48,21 +49,12 @@ FAST_BACKOFF = {"PIPELINE_RECONNECT_BACKOFF_MAX": "1", **QUIET}
 
 
 def relay(settings: Settings, app: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "pipeline.tools.cli", "relay"]
+    argv = cli_argv("relay")
     return start_process(argv, pipeline_env(settings, app, **FAST_BACKOFF, **env), log)
 
 
 def worker(settings: Settings, app: str, log: Path, **env: str) -> subprocess.Popen[bytes]:
-    argv = [
-        sys.executable,
-        "-m",
-        "pipeline.tools.cli",
-        "worker",
-        "--processes",
-        "1",
-        "--threads",
-        "2",
-    ]
+    argv = worker_argv(1, 2)
     return start_process(argv, pipeline_env(settings, app, **FAST_BACKOFF, **env), log)
 
 

@@ -15,16 +15,27 @@ import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 from sqlalchemy import text
 
-from pipeline import NewEvent, Settings, configure
+from pipeline import NewEvent, Settings
 from pipeline.observability.metrics import REDELIVERY_REASONS
 from pipeline.testhooks import PAUSE_BEFORE_COMMIT
-from tests.support import SOAK, produce, soak, start_relay, start_worker, stop_process, wait_until
+from tests.support import (
+    QUICK_FAULTS,
+    SOAK,
+    installed_settings,
+    produce,
+    soak,
+    start_relay,
+    start_worker,
+    stop_process,
+    wait_until,
+)
 
 APP = "tests.apps.pause_app"
 TABLE = """
@@ -36,19 +47,21 @@ KEYS = 500  # many keys: a stopped relay's batch holds back only a few of them
 
 
 @pytest.fixture
-def pause_settings(settings: Settings, engine) -> Settings:
-    with engine.begin() as conn:
-        conn.exec_driver_sql(TABLE)
-    value = settings.replace(
-        lease_seconds=2.0,
-        batch_size=20,
-        max_events_per_message=10,
-        poll_interval_max=0.2,
-        broker_heartbeat_timeout_ms=5000,
-        broker_maintenance_chance=200_000,
-    )
-    configure(value)
-    return value
+def pause_settings(settings: Settings, engine) -> Iterator[Settings]:
+    with installed_settings(
+        settings,
+        engine,
+        TABLE,
+        **{
+            **QUICK_FAULTS,
+            "lease_seconds": 2.0,
+            "batch_size": 20,
+            "max_events_per_message": 10,
+            "poll_interval_max": 0.2,
+            "broker_heartbeat_timeout_ms": 5000,
+        },
+    ) as value:
+        yield value
 
 
 def scalar(engine, query: str, **params: object) -> int:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from pipeline.tools.harness.sentinel import SentinelSet
-from tests.chaos.orders import APP, assert_each_stage_once, place_orders, scalar, stage_counts
+from tests.chaos.orders import APP, assert_each_stage_once, place_orders, scalar, wait_all_notified
 from tests.support import SOAK, start_relay, start_worker, stop_process, wait_until
 
 pytestmark = pytest.mark.chaos
@@ -49,13 +49,7 @@ def test_failovers_while_relay_and_workers_run_lose_nothing_and_do_nothing_twice
             sentinels.rejoin(old)  # the old master comes back as a replica
             forced = sentinels.force_failover()
             place_orders(engine, orders[60:])
-            wait_until(
-                lambda: len(stage_counts(engine, "notifications")) == len(orders),
-                timeout=90,
-                interval=0.5,
-                progress=effects,
-                alive=[relay, workers],
-            )
+            wait_all_notified(engine, orders, [relay, workers], timeout=90, progress=effects)
             time.sleep(1.0)  # a late duplicate would show now
         finally:
             stop_process(workers)

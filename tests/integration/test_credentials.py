@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from urllib.parse import quote
@@ -30,6 +29,7 @@ from tests.integration.conftest import drainer_for
 from tests.integration.test_observability import spans  # noqa: F401 - the fixture
 from tests.support import (
     Ran,
+    cli_argv,
     pipeline_env,
     produce,
     run_cli,
@@ -119,7 +119,7 @@ def env_for(settings: Settings, **urls: str) -> dict[str, str]:
 def assert_waits_without_secrets(env: dict[str, str], args: list[str], log, *secrets: str) -> str:
     """A relay or worker that cannot use its server waits (one line per try, naming the
     server), stops cleanly on SIGTERM, and never prints a secret or a traceback."""
-    process = start_process([sys.executable, "-m", "pipeline.tools.cli", *args], env, log)
+    process = start_process(cli_argv(*args), env, log)
     try:
         wait_until(lambda: "next try in" in log.read_text(), timeout=60)
     finally:
@@ -277,11 +277,9 @@ def test_relay_and_worker_logs_never_hold_a_rejected_redis_password(
 ):
     url = f"redis://:{REDIS_SECRET}@127.0.0.1:{password_redis.port}/0"
     env = env_for(settings, PIPELINE_REDIS_URL=url, PIPELINE_METRICS_PORT="0")
-    relay = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "relay"], env, tmp_path / "r.log"
-    )
+    relay = start_process(cli_argv("relay"), env, tmp_path / "r.log")
     worker = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "worker", "--processes", "1"],
+        cli_argv("worker", "--processes", "1"),
         env,
         tmp_path / "w.log",
     )
@@ -356,11 +354,9 @@ def test_processes_exporting_spans_to_the_console_print_no_password(settings, en
         OTEL_TRACES_EXPORTER="console",
         OTEL_BSP_SCHEDULE_DELAY="100",
     )
-    relay = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "relay"], env, tmp_path / "r.log"
-    )
+    relay = start_process(cli_argv("relay"), env, tmp_path / "r.log")
     worker = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "worker", "--processes", "1"],
+        cli_argv("worker", "--processes", "1"),
         env,
         tmp_path / "w.log",
     )

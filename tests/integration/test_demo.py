@@ -24,6 +24,8 @@ from typing import IO, Any
 
 import pytest
 
+from tests.support import cli_argv
+
 DEMO_TIMEOUT = 240
 
 
@@ -31,7 +33,7 @@ def demo_command(*args: str) -> list[str]:
     script = Path(sys.executable).with_name("pipeline")
     if script.exists():
         return [str(script), "demo", *args]
-    return [sys.executable, "-m", "pipeline.tools.cli", "demo", *args]
+    return cli_argv("demo", *args)
 
 
 def clean_env() -> dict[str, str]:

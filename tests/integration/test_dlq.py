@@ -23,7 +23,7 @@ import pytest
 from psycopg import sql
 from sqlalchemy import text
 
-from pipeline import NewEvent, Settings, configure
+from pipeline import NewEvent, Settings
 from pipeline.inbox.idempotency import idempotency_key
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
@@ -31,7 +31,9 @@ from pipeline.runtime import build_runtime
 from pipeline.tools.harness.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
 from tests.support import (
+    QUICK_FAULTS,
     Ran,
+    installed_settings,
     multiprocess_metric,
     pipeline_env,
     produce,
@@ -57,17 +59,8 @@ QUEUES = ("pipeline.payments", "pipeline.audit", "pipeline.shipping")
 
 @pytest.fixture
 def dlq_settings(settings: Settings, engine) -> Iterator[Settings]:
-    with engine.begin() as conn:
-        conn.exec_driver_sql(TABLES)
-    value = settings.replace(
-        lease_seconds=3.0,
-        poll_interval_max=0.5,
-        broker_heartbeat_timeout_ms=3000,
-        broker_maintenance_chance=200_000,
-    )
-    configure(value)
-    yield value
-    configure(settings)
+    with installed_settings(settings, engine, TABLES, **QUICK_FAULTS) as value:
+        yield value
 
 
 def dlq(settings: Settings, *args: str, **env: str) -> Ran:

@@ -9,7 +9,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -22,7 +21,14 @@ import redis
 from pipeline.config import Settings
 from pipeline.tools.harness.embedded import EmbeddedRedis
 from pipeline.tools.ops.doctor import Report, run_doctor
-from tests.support import pipeline_env, start_relay, start_worker, stop_process, wait_until
+from tests.support import (
+    cli_argv,
+    pipeline_env,
+    start_relay,
+    start_worker,
+    stop_process,
+    wait_until,
+)
 
 APP = "tests.apps.relay_app"
 
@@ -35,7 +41,7 @@ def doctor_settings(settings: Settings, private_redis: EmbeddedRedis) -> Setting
 
 def doctor_cli(settings: Settings, **env: str) -> tuple[int, dict[str, object], str]:
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "doctor", "--json"],
+        cli_argv("doctor", "--json"),
         env=pipeline_env(settings, APP, **env),
         capture_output=True,
         text=True,
@@ -72,7 +78,7 @@ def test_healthy_deployment_exits_zero(doctor_settings, tmp_path):
         wait_until(canary_arrived, timeout=90, interval=0.3)
         code, report, _ = doctor_cli(settings)
         text = subprocess.run(
-            [sys.executable, "-m", "pipeline.tools.cli", "doctor"],
+            cli_argv("doctor"),
             env=pipeline_env(settings, APP),
             capture_output=True,
             text=True,

@@ -178,27 +178,31 @@ class Shop:
             self.dead_letter(consumer, order_id, ORDER_PLACED)
 
 
-def run_check(settings: Any, queries: DrillQueries, api: PaymentServer) -> dict[str, Any]:
+def run_check(
+    settings: Any, queries: DrillQueries, api: PaymentServer, **facts: Any
+) -> dict[str, Any]:
+    """The drill's report on what the test left in the database and the API's ledger, for
+    a run with one crafted fault that recovered in time (``facts`` change that)."""
     ledger = httpx.get(f"{api.url}/ledger", params={"run": RUN}).json()
     with psycopg.connect(settings.require_database_url(), autocommit=True) as conn:
         check = check_run(conn, queries, ledger)
-    facts = RunFacts(
-        run=RUN,
-        seed=1,
-        options={"rate": 10.0},
-        setup={},
-        started=0.0,
-        faults=[Fault("worker-kill", 0.0, started=0.0, ended=1.0, detail="crafted")],
-        exits=[],
-        recovery_from=1.0,
-        recovery_after="the last fault",
-        recovered_at=2.0,
-        recovery_timeout=10.0,
-        clock_offset=0.0,
-        duplicates_absorbed=None,
-        wall_seconds=2.0,
-    )
-    return build_report(facts, check)
+    values: dict[str, Any] = {
+        "run": RUN,
+        "seed": 1,
+        "options": {"rate": 10.0},
+        "setup": {},
+        "started": 0.0,
+        "faults": [Fault("worker-kill", 0.0, started=0.0, ended=1.0, detail="crafted")],
+        "exits": [],
+        "recovery_from": 1.0,
+        "recovery_after": "the last fault",
+        "recovered_at": 2.0,
+        "recovery_timeout": 10.0,
+        "clock_offset": 0.0,
+        "duplicates_absorbed": None,
+        "wall_seconds": 2.0,
+    }
+    return build_report(RunFacts(**{**values, **facts}), check)
 
 
 def kinds(report: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
@@ -289,26 +293,17 @@ def test_an_unsent_event_and_a_missed_recovery_bound_are_violations(engine, sett
     shop = Shop(engine, queries, api.url)
     shop.place(1, 1)  # never published, never processed
 
-    ledger = httpx.get(f"{api.url}/ledger", params={"run": RUN}).json()
-    with psycopg.connect(settings.require_database_url(), autocommit=True) as conn:
-        check = check_run(conn, queries, ledger)
-    facts = RunFacts(
-        run=RUN,
-        seed=1,
+    report = run_check(
+        settings,
+        queries,
+        api,
         options={"rate": 1.0},
-        setup={},
-        started=0.0,
         faults=[],
-        exits=[],
-        recovery_from=1.0,
         recovery_after="the last order",
         recovered_at=None,
         recovery_timeout=5.0,
-        clock_offset=0.0,
-        duplicates_absorbed=None,
         wall_seconds=6.0,
     )
-    report = build_report(facts, check)
     found = kinds(report)
 
     assert exit_code(report) == 1

@@ -19,7 +19,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from pipeline import NewEvent, Settings, configure
+from pipeline import NewEvent, Settings
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
@@ -27,8 +27,11 @@ from pipeline.tools.harness.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
 from pipeline.transport.redis.keys import messages_key, queue_key
+from tests.chaos.orders import APP, TABLES, scalar, stage_counts, wait_all_notified
 from tests.support import (
+    QUICK_FAULTS,
     app_registry,
+    installed_settings,
     multiprocess_metric,
     produce,
     running_pipeline,
@@ -39,39 +42,11 @@ from tests.support import (
     wait_until,
 )
 
-APP = "tests.apps.inbox_app"
-TABLES = """
-CREATE TABLE effects (id bigserial PRIMARY KEY, stage text NOT NULL, order_id text NOT NULL,
-                      event_id uuid NOT NULL);
-CREATE TABLE seq_log (id bigserial PRIMARY KEY, ordering_key text NOT NULL, seq bigint NOT NULL,
-                      n int NOT NULL);
-"""
-
 
 @pytest.fixture
 def inbox_settings(settings: Settings, engine) -> Iterator[Settings]:
-    with engine.begin() as conn:
-        conn.exec_driver_sql(TABLES)
-    value = settings.replace(
-        lease_seconds=3.0,
-        poll_interval_max=0.5,
-        broker_heartbeat_timeout_ms=3000,
-        broker_maintenance_chance=200_000,
-    )
-    configure(value)
-    yield value
-    configure(settings)
-
-
-def scalar(engine, sql: str, **params):
-    with engine.connect() as conn:
-        return conn.execute(text(sql), params).scalar()
-
-
-def stage_counts(engine, stage: str) -> Counter:
-    with engine.connect() as conn:
-        rows = conn.execute(text("SELECT order_id FROM effects WHERE stage = :s"), {"s": stage})
-        return Counter(r[0] for r in rows)
+    with installed_settings(settings, engine, TABLES, **QUICK_FAULTS) as value:
+        yield value
 
 
 class RepeatingPublisher:
@@ -229,12 +204,7 @@ def test_three_stage_workflow_with_random_failures_runs_each_stage_once(
         per_transaction=50,
     )
     with running_pipeline(inbox_settings, APP, threads=8):
-        wait_until(
-            lambda: len(stage_counts(engine, "notifications")) == len(orders),
-            timeout=60,
-            interval=0.2,
-            progress=lambda: scalar(engine, "SELECT count(*) FROM effects"),
-        )
+        wait_all_notified(engine, orders, interval=0.2)
         time.sleep(0.5)  # a late duplicate would show now
     for stage in ("payments", "inventory", "notifications"):
         assert stage_counts(engine, stage) == Counter({o: 1 for o in orders}), stage

@@ -37,6 +37,7 @@ from tests.integration.conftest import drainer_for
 from tests.support import (
     ROOT,
     Ran,
+    cli_argv,
     otlp_attributes,
     pipeline_env,
     produce,
@@ -48,6 +49,7 @@ from tests.support import (
     start_worker,
     stop_process,
     wait_until,
+    worker_argv,
 )
 
 APP = "tests.apps.relay_app"
@@ -414,7 +416,7 @@ def test_relay_and_worker_processes_export_one_trace_over_otlp(
     }
     relay_log, worker_log = tmp_path / "relay.log", tmp_path / "worker.log"
     relay = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "relay"],
+        cli_argv("relay"),
         pipeline_env(settings, INBOX_APP, **otel),
         relay_log,
     )
@@ -721,7 +723,7 @@ def test_relay_metrics_endpoint_passes_promtool_and_matches_the_docs(settings, t
     port = free_port()
     log = tmp_path / "relay.log"
     relay = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "relay", "--metrics-port", str(port)],
+        cli_argv("relay", "--metrics-port", str(port)),
         pipeline_env(settings, APP),
         log,
     )
@@ -765,22 +767,9 @@ def test_worker_metrics_aggregate_dramatiq_processes(engine, settings, tmp_path)
     port = free_port()
     relay_log, worker_log = tmp_path / "relay.log", tmp_path / "worker.log"
     env = pipeline_env(settings, APP, PIPELINE_METRICS_PORT="0")
-    relay = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "relay", "--mode", "workers"], env, relay_log
-    )
+    relay = start_process(cli_argv("relay", "--mode", "workers"), env, relay_log)
     worker = start_process(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.tools.cli",
-            "worker",
-            "--processes",
-            "2",
-            "--threads",
-            "2",
-            "--metrics-port",
-            str(port),
-        ],
+        worker_argv(2, 2, "--metrics-port", str(port)),
         pipeline_env(settings, APP),
         worker_log,
     )
@@ -856,18 +845,7 @@ def test_worker_stops_dramatiq_on_sigterm(settings, tmp_path):
     log = tmp_path / "worker.log"
     port = free_port()
     worker = start_process(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.tools.cli",
-            "worker",
-            "--processes",
-            "1",
-            "--threads",
-            "1",
-            "--metrics-port",
-            str(port),
-        ],
+        worker_argv(1, 1, "--metrics-port", str(port)),
         pipeline_env(settings, APP),
         log,
     )

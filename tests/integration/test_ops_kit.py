@@ -57,7 +57,7 @@ from tests.opskit_support import (
     runbook_steps,
     shortened_rules,
 )
-from tests.support import pipeline_env, start_process, stop_process, wait_until
+from tests.support import cli_argv, pipeline_env, start_process, stop_process, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -150,12 +150,12 @@ class Ops:
                 self.fleet, target.hostname or "127.0.0.1", target.port or 5432, log
             )
         url = through(self.settings.require_database_url(), self.postgres_proxy.port)
-        argv = [sys.executable, "-m", "pipeline.tools.cli", "relay"]
+        argv = cli_argv("relay")
         env = self.env(PIPELINE_DATABASE_URL=url)
         self.relay = start_process(argv, env, self.directory / "relay.log")
 
     def start_worker(self) -> None:
-        argv = [sys.executable, "-m", "pipeline.tools.cli", "worker", "--processes", "1"]
+        argv = cli_argv("worker", "--processes", "1")
         argv += ["--threads", "4"]
         self.worker = start_process(argv, self.env(), self.directory / "worker.log")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import uuid
 from dataclasses import dataclass, field
 
@@ -19,7 +18,7 @@ import pytest
 from pipeline.config import Settings
 from pipeline.db.retention import TABLES, Pruner, RetentionPolicy
 from pipeline.policy import ConsumerPolicy, retention_problems
-from tests.support import pipeline_env, start_process, stop_process, wait_until
+from tests.support import cli_argv, pipeline_env, start_process, stop_process, wait_until
 
 OLD = 2000.0  # seconds ago: past every retention below
 YOUNG = 100.0  # seconds ago: inside every retention
@@ -267,7 +266,7 @@ def prune_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str
         PIPELINE_AUDIT_RETENTION_SECONDS=str(RETENTION),
     )
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "prune", *args],
+        cli_argv("prune", *args),
         env=env,
         capture_output=True,
         text=True,
@@ -365,7 +364,7 @@ def test_prune_and_doctor_judge_a_short_inbox_retention_in_the_words_a_worker_re
 
 def cli(settings: Settings, app: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", *args],
+        cli_argv(*args),
         env=pipeline_env(settings, app, **env),
         capture_output=True,
         text=True,
@@ -405,7 +404,7 @@ def test_janitor_in_a_relay_process_prunes_and_counts(retention_settings, tmp_pa
         "PIPELINE_STATE_METRICS_INTERVAL": "0.1",
     }
     relay = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "relay", "--mode", "inline"],
+        cli_argv("relay", "--mode", "inline"),
         pipeline_env(retention_settings, "tests.apps.relay_app", **env_settings),
         log,
     )

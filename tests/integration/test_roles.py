@@ -10,7 +10,6 @@ grants, and without any one of them fails with one clear line.
 from __future__ import annotations
 
 import re
-import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,12 +30,14 @@ from tests.support import (
     ROOT,
     Ran,
     app_in_global_registry,
+    cli_argv,
     pipeline_env,
     run_cli,
     run_cli_process,
     start_process,
     stop_process,
     wait_until,
+    worker_argv,
 )
 
 DOC = ROOT / "docs" / "security.md"
@@ -347,22 +348,13 @@ def effects(setup: Deployment, consumer: str) -> int:
 
 def test_relay_and_worker_processes_deliver_with_only_their_grants(deployment, tmp_path):
     worker = start_process(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.tools.cli",
-            "worker",
-            "--processes",
-            "1",
-            "--threads",
-            "4",
-        ],
+        worker_argv(1, 4),
         deployment.env("worker"),
         tmp_path / "worker.log",
     )
     # first the workers publish (publishing actors), then the relay itself, with the canary
     relay = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "relay", "--mode", "workers"],
+        cli_argv("relay", "--mode", "workers"),
         deployment.env("relay"),
         tmp_path / "relay-workers.log",
     )
@@ -373,7 +365,7 @@ def test_relay_and_worker_processes_deliver_with_only_their_grants(deployment, t
         wait_until(lambda: effects(deployment, "role_shipping") == 5, timeout=60)
         stop_process(relay)
         relay = start_process(
-            [sys.executable, "-m", "pipeline.tools.cli", "relay"],
+            cli_argv("relay"),
             deployment.env("relay", PIPELINE_CANARY_INTERVAL="0.5"),
             tmp_path / "relay-auto.log",
         )
@@ -489,9 +481,7 @@ def test_a_worker_that_does_not_publish_needs_no_publishing_grants(deployment):
 
 def test_a_relay_whose_grant_is_revoked_while_it_runs_stops_with_one_line(deployment, tmp_path):
     log = tmp_path / "relay.log"
-    relay = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "relay"], deployment.env("relay"), log
-    )
+    relay = start_process(cli_argv("relay"), deployment.env("relay"), log)
     try:
         wait_until(lambda: "relay started" in log.read_text(), timeout=30)
         deployment.admin(deployment.render("REVOKE UPDATE ON pipeline.outbox FROM pipeline_relay"))

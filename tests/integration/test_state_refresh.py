@@ -7,7 +7,6 @@ again when the stall ends.
 
 from __future__ import annotations
 
-import sys
 import time
 from urllib.parse import urlsplit, urlunsplit
 
@@ -15,7 +14,7 @@ from pipeline import Settings
 from pipeline.tools.drill.proxy import ProxyProcess
 from pipeline.tools.harness.fleet import Fleet
 from tests.integration.test_observability import free_port, scrape, scrape_when_up, series
-from tests.support import pipeline_env, start_process, stop_process, wait_until
+from tests.support import cli_argv, pipeline_env, start_process, stop_process, wait_until
 
 APP = "tests.apps.relay_app"
 STALL_SECONDS = 45
@@ -48,7 +47,7 @@ def test_a_scrape_never_waits_on_a_stalled_postgres(settings: Settings, tmp_path
         url = f"http://127.0.0.1:{port}/metrics"
         env = pipeline_env(stalled, APP, PIPELINE_STATE_METRICS_INTERVAL="0.5")
         relay = start_process(
-            [sys.executable, "-m", "pipeline.tools.cli", "relay", "--metrics-port", str(port)],
+            cli_argv("relay", "--metrics-port", str(port)),
             env,
             log,
         )

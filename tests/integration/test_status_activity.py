@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import uuid
 
 import psycopg
@@ -24,6 +23,7 @@ from pipeline.relay.ledger import DeliveryLedger
 from pipeline.runtime import build_runtime
 from pipeline.transport.publisher import Delivery
 from tests.support import (
+    cli_argv,
     pipeline_env,
     produce,
     start_relay,
@@ -57,7 +57,7 @@ def outbox_events(url: str, ids: list[uuid.UUID]) -> list[OutboxEvent]:
 
 def status_json(settings: Settings, *args: str) -> dict[str, object]:
     result = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "status", "--json", "--app", APP, *args],
+        cli_argv("status", "--json", "--app", APP, *args),
         env=pipeline_env(settings, APP),
         capture_output=True,
         text=True,
@@ -191,7 +191,7 @@ def test_status_per_consumer_figures_equal_the_ground_truth(settings, engine, tm
 def test_status_text_lists_each_consumer_and_rejects_a_bad_interval(settings):
     env = pipeline_env(settings, APP)
     text = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "status", "--app", APP, "--interval", "90s"],
+        cli_argv("status", "--app", APP, "--interval", "90s"),
         env=env,
         capture_output=True,
         text=True,
@@ -216,7 +216,7 @@ def test_status_text_lists_each_consumer_and_rejects_a_bad_interval(settings):
         ["tally", "0", "0.00", "0", "0", "0", "0"],
     ]
     bad = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "status", "--interval", "soon"],
+        cli_argv("status", "--interval", "soon"),
         env=env,
         capture_output=True,
         text=True,

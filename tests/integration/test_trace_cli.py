@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import uuid
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from pipeline import add_event
+from tests.support import cli_argv
 
 
 def trace(settings, *args: str) -> subprocess.CompletedProcess[str]:
@@ -19,7 +19,7 @@ def trace(settings, *args: str) -> subprocess.CompletedProcess[str]:
     env["PIPELINE_DATABASE_URL"] = settings.require_database_url()
     env["PIPELINE_TRACE_UI_URL"] = "http://jaeger.local:16686"
     return subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", "trace", *args],
+        cli_argv("trace", *args),
         check=False,
         env=env,
         capture_output=True,

@@ -10,12 +10,12 @@ resend-unrouted`` sends them again, audited, once their consumers run.
 from __future__ import annotations
 
 import json
-import sys
 from collections import Counter
 
 from pipeline import NewEvent, Settings
 from tests.integration.test_inbox import inbox_settings, scalar, stage_counts
 from tests.support import (
+    cli_argv,
     log_size,
     pipeline_env,
     produce,
@@ -48,9 +48,7 @@ def test_unrouted_events_are_refused_recorded_reported_and_sent_again(
 
     # 1. Refused: one line naming the event type, non-zero exit, nothing sent.
     log = tmp_path / "refused.log"
-    refused = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "relay", "--metrics-port", "0"], bare, log
-    )
+    refused = start_process(cli_argv("relay", "--metrics-port", "0"), bare, log)
     assert refused.wait(timeout=60) != 0
     lines = [line for line in log.read_text().splitlines() if "error" in line]
     assert len(lines) == 1, log.read_text()  # one clear line (other lines: start-up warnings)
@@ -58,7 +56,7 @@ def test_unrouted_events_are_refused_recorded_reported_and_sent_again(
     assert "Traceback" not in log.read_text()
     worker_log = tmp_path / "refused-worker.log"
     worker = start_process(
-        [sys.executable, "-m", "pipeline.tools.cli", "worker", "--metrics-port", "0"],
+        cli_argv("worker", "--metrics-port", "0"),
         bare,
         worker_log,
     )
@@ -70,15 +68,7 @@ def test_unrouted_events_are_refused_recorded_reported_and_sent_again(
     # 2. Told it is meant: it starts and sends them to nobody.
     log = tmp_path / "allowed.log"
     allowed = start_process(
-        [
-            sys.executable,
-            "-m",
-            "pipeline.tools.cli",
-            "relay",
-            "--metrics-port",
-            "0",
-            "--allow-unrouted",
-        ],
+        cli_argv("relay", "--metrics-port", "0", "--allow-unrouted"),
         bare,
         log,
     )

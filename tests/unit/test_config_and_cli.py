@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +18,7 @@ from click.testing import CliRunner
 from pipeline.config import Settings, load_settings, redact_url
 from pipeline.errors import ConfigurationError
 from pipeline.tools.cli import cli
+from tests.support import cli_argv
 
 
 @dataclass
@@ -42,7 +42,7 @@ def run_cli_process(*args: str, **env: str) -> Ran:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
     clean.update(env)
     done = subprocess.run(
-        [sys.executable, "-m", "pipeline.tools.cli", *args],
+        cli_argv(*args),
         check=False,
         env=clean,
         capture_output=True,

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from pipeline.envelope import OutboxEvent, decode_envelope, encode_envelope
+from pipeline.envelope import decode_envelope, encode_envelope
 from pipeline.errors import ConfigurationError
 from pipeline.inbox.context import ExternalCall, HandlerContext, SandboxLog
 from pipeline.inbox.http import idempotent_post
@@ -23,6 +23,7 @@ from pipeline.tools.ops.dlq.rate import TokenBucket
 from pipeline.tools.ops.dlq.records import DeadLetter, DeadLetterGroup, FailedAttempt
 from pipeline.tools.ops.dlq.render import attempt_error, render_groups
 from pipeline.tools.ops.dlq.replay import plan_replay, require_routes
+from tests.support import outbox_event
 
 NOW = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
 
@@ -160,26 +161,7 @@ def test_unlimited_bucket_never_sleeps():
 
 
 def test_kept_envelope_gives_back_the_event_the_relay_encoded():
-    event = OutboxEvent(
-        id=uuid.uuid4(),
-        seq=42,
-        aggregate_type="order",
-        aggregate_id="o1",
-        ordering_key="order:o1",
-        event_type="order.placed",
-        event_version=2,
-        payload_json='{"amount":5,"items":["a"]}',
-        headers_json=json.dumps(
-            {
-                "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
-                "correlation_id": str(uuid.uuid4()),
-                "causation_id": str(uuid.uuid4()),
-                "tenant": "t1",
-            }
-        ),
-        attempts=3,
-        created_at=NOW,
-    )
+    event = outbox_event(seq=42, attempts=3, created_at=NOW)
     envelope = json.loads(encode_envelope(event, "/pipeline/x"))
     rebuilt = event_from_envelope(envelope)
     assert rebuilt is not None

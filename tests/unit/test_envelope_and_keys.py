@@ -4,39 +4,14 @@ from __future__ import annotations
 
 import json
 import uuid
-from datetime import UTC, datetime
 
 import pytest
 
-from pipeline.envelope import EnvelopeError, OutboxEvent, decode_envelope, encode_envelope
+from pipeline.envelope import EnvelopeError, decode_envelope, encode_envelope
 from pipeline.errors import ConfigurationError
 from pipeline.inbox.idempotency import idempotency_key
 from pipeline.inbox.upcasting import Upcasters
-
-
-def outbox_event(**overrides) -> OutboxEvent:
-    values = dict(
-        id=uuid.uuid4(),
-        seq=7,
-        aggregate_type="order",
-        aggregate_id="o-1",
-        ordering_key="order:o-1",
-        event_type="order.placed",
-        event_version=2,
-        payload_json='{"total":42,"items":["a","é"]}',
-        headers_json=json.dumps(
-            {
-                "traceparent": "00-" + "a" * 32 + "-" + "b" * 16 + "-01",
-                "correlation_id": "c-1",
-                "causation_id": "x-1",
-                "tenant": "t",
-            }
-        ),
-        attempts=1,
-        created_at=datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC),
-    )
-    values.update(overrides)
-    return OutboxEvent(**values)
+from tests.support import outbox_event
 
 
 def test_envelope_round_trip_keeps_payload_text_and_attributes():

@@ -19,7 +19,7 @@ from pipeline.tools.opskit.options import THRESHOLDS
 from pipeline.tools.opskit.runbooks import templates
 from tests.dashboard_lint import lint
 from tests.opskit_support import runbook_page, urls_in
-from tests.support import ROOT
+from tests.support import ROOT, cli_argv
 
 
 def render(*argv: str) -> tuple[int, str]:
@@ -158,7 +158,7 @@ def test_export_writes_what_an_installed_package_needs(tmp_path):
     """`pipeline opskit export DIR` writes rules, dashboards and runbooks from package data,
     rendered with the options given; nothing is read from the checkout."""
     out = tmp_path / "kit"
-    argv = [sys.executable, "-m", "pipeline.tools.cli", "opskit", "export", str(out)]
+    argv = cli_argv("opskit", "export", str(out))
     argv += ["--relay-job", "outbox-relay", "--backlog-threshold", "5000"]
     argv += ["--runbook-base-url", "https://wiki.example.com/pipeline"]
     result = subprocess.run(
