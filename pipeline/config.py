@@ -39,6 +39,7 @@ BOUNDS = (
     ("poll_interval_busy", "poll_interval_max"),
     ("publish_backoff_base", "publish_backoff_max"),
     ("consumer_backoff_min", "consumer_backoff_max"),
+    ("heartbeat_stale_seconds", "heartbeat_gone_seconds"),
 )
 
 MESSAGE_KEY_OFF = frozenset({"insecure", "none"})  # PIPELINE_MESSAGE_KEY values: no signing
@@ -171,6 +172,10 @@ class Settings(BaseSettings):
     worker_timeout_ms: Annotated[int, Field(gt=0, le=1000)] = 100
     broker_heartbeat_timeout_ms: Annotated[int, Field(gt=0, le=int(MAX_INTERVAL * 1000))] = 60_000
     broker_maintenance_chance: Annotated[int, Field(ge=0, le=1_000_000)] = 1000
+    # Redis only: finished message ids remembered per queue, so a leftover id on the queue
+    # is told apart (a duplicate, dropped) from a delivery whose body is gone (left to the
+    # ledger); about 120 bytes of Redis each
+    finished_ids_kept: Annotated[int, Field(ge=1000, le=10_000_000)] = 50_000
     inbox_retention_seconds: Age = 7 * 24 * 3600
     consumer_max_retries: Count = 8
     consumer_backoff_min: Seconds = 0.2
@@ -186,6 +191,14 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     trace_ui_url: str | None = None
     canary_interval: SecondsOrOff = 15.0  # seconds; 0 turns the canary off
+    # Relays and workers refresh their heartbeat row every 2 s, idle or busy: a row this
+    # old is stale (stuck, paused, cut off from Postgres), then gone (outlived its process)
+    heartbeat_stale_seconds: Annotated[float, Field(ge=5, le=MAX_INTERVAL, allow_inf_nan=False)] = (
+        10.0
+    )
+    heartbeat_gone_seconds: Annotated[float, Field(ge=5, le=MAX_INTERVAL, allow_inf_nan=False)] = (
+        60.0
+    )
 
     # Message broker (transport). PIPELINE_BROKER_URL picks it by scheme: redis://, rediss://,
     # unix:// (Dramatiq on Redis) or amqp://, amqps:// (Dramatiq on RabbitMQ, quorum queues,

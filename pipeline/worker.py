@@ -11,6 +11,7 @@ from typing import Any
 from dramatiq.middleware import Middleware
 
 from pipeline.config import get_settings
+from pipeline.heartbeat import WorkerHeartbeat
 from pipeline.observability.logging import configure_logging
 from pipeline.observability.metrics import zero_initialise_inbox, zero_initialise_publishing
 from pipeline.observability.tracing import configure_tracing, shutdown_tracing
@@ -37,4 +38,5 @@ zero_initialise_publishing(runtime.registry.event_types())
 broker = runtime.broker
 configure_tracing(settings, "pipeline-worker")
 broker.add_middleware(FlushTraces())
+broker.add_middleware(WorkerHeartbeat(settings))
 configure_logging(settings)

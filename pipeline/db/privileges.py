@@ -71,6 +71,8 @@ CONSUMING: Grants = {
     "dead_letters": frozenset({"INSERT"}),  # events that ran out of retries
     "outbox": frozenset({"INSERT"}),  # follow-up events published by handlers
     "delivery_log": frozenset({"INSERT"}),  # duplicate deliveries (for `pipeline status`)
+    # each worker process's heartbeat (an upsert) and its removal at exit
+    "worker_state": frozenset({"SELECT", "INSERT", "UPDATE", "DELETE"}),
 }
 
 

@@ -88,12 +88,27 @@ SELECT EXISTS (
 
 -- name: relay_heartbeat
 INSERT INTO {schema}.relay_state (relay_id, busy, heartbeat_at, host, pid)
-VALUES (%(relay_id)s, %(busy)s, clock_timestamp(), %(host)s, %(pid)s)
+VALUES (%(process_id)s, %(busy)s, clock_timestamp(), %(host)s, %(pid)s)
 ON CONFLICT (relay_id) DO UPDATE
 SET busy = excluded.busy, heartbeat_at = excluded.heartbeat_at;
 
 -- name: relay_forget
-DELETE FROM {schema}.relay_state WHERE relay_id = %(relay_id)s;
+DELETE FROM {schema}.relay_state WHERE relay_id = %(process_id)s;
+
+-- name: worker_heartbeat
+INSERT INTO {schema}.worker_state (worker_id, busy, heartbeat_at, host, pid)
+VALUES (%(process_id)s, %(busy)s, clock_timestamp(), %(host)s, %(pid)s)
+ON CONFLICT (worker_id) DO UPDATE
+SET busy = excluded.busy, heartbeat_at = excluded.heartbeat_at;
+
+-- name: worker_forget
+DELETE FROM {schema}.worker_state WHERE worker_id = %(process_id)s;
+
+-- name: worker_states
+SELECT worker_id, host, pid, busy,
+       extract(epoch FROM clock_timestamp() - heartbeat_at)::float8 AS heartbeat_age
+FROM {schema}.worker_state
+ORDER BY host, pid;
 
 -- name: snapshot_xmax
 SELECT pg_snapshot_xmax(pg_current_snapshot())::text;

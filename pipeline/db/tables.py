@@ -232,6 +232,16 @@ relay_state = Table(
     Column("pid", Integer, nullable=False),
 )
 
+worker_state = Table(
+    "worker_state",
+    metadata,
+    Column("worker_id", Text, primary_key=True),
+    Column("busy", Boolean, nullable=False, server_default=text("false")),
+    Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=_now),
+    Column("host", Text, nullable=False),
+    Column("pid", Integer, nullable=False),
+)
+
 delivery_sweep = Table(
     "delivery_sweep",
     metadata,

@@ -51,8 +51,8 @@ from pipeline.db.connect import (
     schema_missing_message,
 )
 from pipeline.db.migrate import notify_channel
+from pipeline.db.stores.heartbeats import HEARTBEAT_SECONDS, HeartbeatStore
 from pipeline.db.stores.outbox import OutboxStore
-from pipeline.db.stores.relays import RELAY_HEARTBEAT_SECONDS, RelayStore
 from pipeline.errors import ServiceUnavailableError
 from pipeline.observability import metrics
 from pipeline.registry import Registry
@@ -67,7 +67,7 @@ from pipeline.transport.publisher import Publisher, PublisherUnavailable
 log = logging.getLogger("pipeline.relay")
 Mode = Literal["auto", "inline", "workers"]
 HEARTBEAT_INTERVAL = 1.0  # a busy relay's heartbeat (producers skip NOTIFY while it is fresh)
-IDLE_HEARTBEAT_INTERVAL = RELAY_HEARTBEAT_SECONDS  # an idle relay's: it is alive, with no work
+IDLE_HEARTBEAT_INTERVAL = HEARTBEAT_SECONDS  # an idle relay's: it is alive, with no work
 HANDOFF_LIMIT = 2.0
 FIRST_RETRY = 0.1
 # A statement that gave up waiting (``lock_timeout``, ``statement_timeout``): another
@@ -182,7 +182,7 @@ class Relay:
         self.dispatch = dispatch
         self.relay_id = relay_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.outbox = OutboxStore(settings.schema_name)
-        self.relays = RelayStore(settings.schema_name)
+        self.relays = HeartbeatStore(settings, "relay")
         self.waker = Waker()
         self.stop = threading.Event()
         self.listener: Listener | None = None

@@ -815,18 +815,26 @@ def test_groups_replay_exactly_one_cause_in_order_audited(engine, dlq_settings, 
     assert set(effects(engine, "shipping").values()) == {1}
     assert rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0] == 200  # no new ones
 
-    # the other cause is untouched; purging it is a dry run first too
+    # the other cause is untouched; purging it is a dry run first too, paced, in event order
     before = checksums(dlq_settings)
     purge_plan = dlq_json(dlq_settings, "purge", "--group", declined["fingerprint"])
     assert purge_plan["would_delete"] == 90 and checksums(dlq_settings) == before
+    assert purge_plan["rate"] == 1000.0  # a --group purge is paced unless --rate says
+    planned = [letter["event_id"] for letter in purge_plan["dead_letters"]]
+    assert planned == [str(e) for e in causes["CardDeclined"]]
     purged = dlq_json(
-        dlq_settings, "purge", "--group", declined["fingerprint"], "--yes", "--reason", "refunded"
+        dlq_settings,
+        *("purge", "--group", declined["fingerprint"], "--rate", "45"),
+        *("--yes", "--reason", "refunded"),
     )
-    assert len(purged["deleted"]) == 90
+    letter_of = {letter["id"]: letter["event_id"] for letter in purge_plan["dead_letters"]}
+    assert [letter_of[i] for i in purged["deleted"]] == planned  # deleted in event order
+    assert purged["rate"] == 45.0
     assert [g["error_class"] for g in dlq_json(dlq_settings, "groups")] == ["Poison"]
     latest = dlq_json(dlq_settings, "audit")[0]
     assert (latest["action"], latest["affected"]) == ("dlq.purge", 90)
     assert latest["parameters"]["filter"] == {"group": declined["fingerprint"]}
+    assert (latest["parameters"]["rate"], latest["parameters"]["reason"]) == (45.0, "refunded")
 
 
 def publish_to(settings: Settings, routes: Registry, count: int, engine) -> list[uuid.UUID]:

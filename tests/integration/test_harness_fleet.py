@@ -17,7 +17,6 @@ import pytest
 from sqlalchemy import Engine
 
 from pipeline.config import Settings
-from pipeline.db.stores.relays import RELAY_STALE_SECONDS
 from pipeline.tools.harness.fleet import Fleet
 from pipeline.tools.harness.processes import pid_alive
 from pipeline.tools.harness.readiness import wait_ready
@@ -191,7 +190,8 @@ def test_only_relays_with_a_fresh_heartbeat_count_as_registered(
             " ('killed', false, clock_timestamp() - interval '1 hour', 'here', 4244)"
         )
         count = lambda pids: conn.exec_driver_sql(  # noqa: E731
-            queries.text("relays_registered"), {"pids": pids, "stale": RELAY_STALE_SECONDS}
+            queries.text("relays_registered"),
+            {"pids": pids, "stale": settings.heartbeat_stale_seconds},
         ).scalar_one()
         assert count([4242]) == 1
         assert count([4243]) == 0  # another run's relay is not ours

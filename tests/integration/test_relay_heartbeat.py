@@ -46,7 +46,9 @@ def test_an_idle_relay_stays_alive_and_a_killed_one_is_gone(settings: Settings, 
         assert relays(env)[0]["state"] == "idle"
         doctor = run_cli(["doctor", "--json"], env)
         found = [f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "relays"]
-        assert [(f["status"], f["summary"]) for f in found] == [("ok", "1 relay(s) alive")]
+        assert [(f["status"], f["summary"]) for f in found] == [
+            ("ok", "1 relay(s) alive (0 busy, 1 idle)")
+        ]
 
         relay.send_signal(signal.SIGKILL)
         relay.wait(timeout=10)

@@ -539,6 +539,7 @@ READERS = {  # the operator command that reads each table
     "pipeline.outbox": ["status"],
     "pipeline.dead_letters": ["status"],
     "pipeline.relay_state": ["status"],
+    "pipeline.worker_state": ["status"],
     "pipeline.delivery_sweep": ["status"],
     "pipeline.delivery_log": ["status"],
     "pipeline.attempts": ["trace", "EVENT"],

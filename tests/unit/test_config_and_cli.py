@@ -196,6 +196,9 @@ BAD_VALUES = {
     "statement_timeout_ms": "1.5",
     "idle_in_transaction_timeout_ms": "never",
     "tcp_keepalives_idle_seconds": "-10",
+    "finished_ids_kept": "10",  # below 1,000: a duplicate would soon read as a lost delivery
+    "heartbeat_stale_seconds": "1",  # below 5 s: a live process (2 s refreshes) would be stale
+    "heartbeat_gone_seconds": "nan",
 }
 
 
@@ -239,17 +242,18 @@ def test_unordered_event_types_is_a_comma_separated_or_json_list():
 
 
 @pytest.mark.parametrize(
-    ("low", "high"),
+    ("low", "high", "values"),
     [
-        ("poll_interval_min", "poll_interval_max"),
-        ("poll_interval_busy", "poll_interval_max"),
-        ("publish_backoff_base", "publish_backoff_max"),
-        ("consumer_backoff_min", "consumer_backoff_max"),
+        ("poll_interval_min", "poll_interval_max", ("5", "1")),
+        ("poll_interval_busy", "poll_interval_max", ("5", "1")),
+        ("publish_backoff_base", "publish_backoff_max", ("5", "1")),
+        ("consumer_backoff_min", "consumer_backoff_max", ("5", "1")),
+        ("heartbeat_stale_seconds", "heartbeat_gone_seconds", ("30", "20")),
     ],
 )
-def test_a_lower_bound_above_its_upper_bound_is_refused(low, high):
+def test_a_lower_bound_above_its_upper_bound_is_refused(low, high, values):
     low_name, high_name = f"PIPELINE_{low.upper()}", f"PIPELINE_{high.upper()}"
-    result = run_cli("status", **{low_name: "5", high_name: "1"})
+    result = run_cli("status", **{low_name: values[0], high_name: values[1]})
     assert_one_line(result, low_name, high_name, "must not exceed")
 
 

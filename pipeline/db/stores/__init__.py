@@ -11,7 +11,7 @@ stay the caller's:
 - :mod:`.inbox` — a consumer's claims, failures and dead letters;
 - :mod:`.dead_letters` — the dead-letter tools' reads, replays and purges;
 - :mod:`.audit` — the operator audit log;
-- :mod:`.relays` — the relays' heartbeats;
+- :mod:`.heartbeats` — the relays' and worker processes' heartbeats;
 - :mod:`.state` — the stored state the relay exports as gauges (backlog, owed, sizes);
 - :mod:`.lineage` — one event's record, for ``pipeline trace``;
 - :mod:`.diagnostics` — catalog and health reads for ``pipeline doctor`` and ``status``;

@@ -38,6 +38,9 @@ AUDIT_LIMIT = 50
 GROUP_RATE = 50.0
 """Events per second a ``--group`` replay goes at unless ``--rate`` says otherwise: a
 group is a backlog of one cause, sent to a consumer that has only just been fixed."""
+GROUP_PURGE_RATE = 1000.0
+"""Dead letters per second a ``--group`` purge deletes unless ``--rate`` says otherwise:
+nothing is sent to a consumer, so the pace only spreads the deletes' writes."""
 
 
 def _scope(options: dict[str, Any], waiting: bool = False) -> DeadLetterFilter:
@@ -261,6 +264,11 @@ def _echo_plan(plan: ReplayPlan, as_json: bool, needs_yes: bool = False) -> None
 @click.option("--all", "purge_all", is_flag=True, help="Every dead letter (instead of filters).")
 @waiting_option()
 @dry_run_option("Print what would be deleted; delete nothing.")
+@rate_option(
+    None,
+    "Pace the purge in dead letters per second (default: as fast as it goes; "
+    f"{GROUP_PURGE_RATE:g} with --group).",
+)
 @yes_option("Purge the --group (without --yes, a --group purge is a dry run).")
 @reason_option("Why (kept in the audit log); required unless it is a dry run.")
 @json_option()
@@ -271,6 +279,7 @@ def purge_command(
     purge_all: bool,
     waiting: bool,
     dry_run: bool,
+    rate: float | None,
     yes: bool,
     reason: str | None,
     as_json: bool,
@@ -279,14 +288,17 @@ def purge_command(
     """Delete dead letters in an explicit scope (filters, or --all).
 
     Only the dead-letter records go: the event's outbox row and the consumer's inbox
-    row stay dead, so nothing runs again. With --group, the purge is a dry run unless
-    --yes. Dry runs are not audited.
+    row stay dead, so nothing runs again. Letters go in event order, in batches, each
+    counted in the audit record. With --group, the purge is a dry run unless --yes and
+    paced at 1000 dead letters/s unless --rate. Dry runs are not audited.
     """
     from pipeline.tools.ops.dlq.purge import purge_dead_letters
     from pipeline.tools.ops.dlq.render import render_list
 
     grouped = filters["group"] is not None
     dry_run = dry_run or (grouped and not yes)
+    if grouped and rate is None:
+        rate = GROUP_PURGE_RATE
     why = _reason(reason, dry_run)
     settings = settings_of(ctx)
     scope = _scope(filters, waiting)
@@ -298,7 +310,9 @@ def purge_command(
             "--event-type, --error-class, --since, --until, --id, --event-id, --caused-by, "
             "--waiting, --group) or --all"
         )
-    report = purge_dead_letters(settings, scope, purge_all=purge_all, dry_run=dry_run, reason=why)
+    report = purge_dead_letters(
+        settings, scope, purge_all=purge_all, dry_run=dry_run, reason=why, rate=rate
+    )
     if as_json:
         _echo_json(report.as_json())
     elif dry_run:
@@ -307,6 +321,8 @@ def purge_command(
             f"dry run: {len(report.letters)} dead letter(s) would be deleted (their outbox and "
             "inbox rows stay dead); nothing changed"
         )
+        if rate is not None and report.letters:
+            lines.append(f"paced at {rate:g}/s: about {len(report.letters) / rate:.1f} s")
         click.echo(printable_lines(lines))
     else:
         click.echo(f"purged {len(report.deleted)} dead letter(s) (audit record #{report.audit_id})")

@@ -39,7 +39,6 @@ import click
 from sqlalchemy import Engine
 
 from pipeline.config import configure, redact_url
-from pipeline.db.stores.relays import RELAY_STALE_SECONDS
 from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError
 from pipeline.tools.demo.layout import APP_MODULE, Layout, plan_layout, prepare_database
@@ -180,7 +179,7 @@ class _Demo:
             metrics_dir = self._start_children(layout, api_url)
         if api is not None:
             api.start()
-        self._wait_ready(engine, queries)
+        self._wait_ready(engine, queries, settings.heartbeat_stale_seconds)
 
         from pipeline.observability.tracing import configure_tracing, shutdown_tracing
 
@@ -351,7 +350,7 @@ class _Demo:
 
         self.cleanup.push(what, undo)
 
-    def _wait_ready(self, engine: Engine, queries: DemoQueries) -> None:
+    def _wait_ready(self, engine: Engine, queries: DemoQueries, stale: float) -> None:
         """Wait for our relay (any, with --external) and every worker process."""
         workers = self.children[1] if len(self.children) > 1 else None
         relay_pids = [self.children[0].pid] if self.children else None
@@ -361,7 +360,7 @@ class _Demo:
             with engine.connect() as connection:
                 state["relays"] = connection.exec_driver_sql(
                     queries.text("relays_registered"),
-                    {"pids": relay_pids, "stale": RELAY_STALE_SECONDS},
+                    {"pids": relay_pids, "stale": stale},
                 ).scalar_one()
             return bool(state["relays"]) and (
                 workers is None or workers_ready(workers, self.options.processes)

@@ -42,7 +42,6 @@ import psycopg
 from sqlalchemy.exc import DBAPIError
 
 from pipeline.config import Settings, configure, libpq_url, load_settings, redact_url
-from pipeline.db.stores.relays import RELAY_STALE_SECONDS
 from pipeline.errors import PipelineError
 from pipeline.tools.drill.check import check_run
 from pipeline.tools.drill.faults import (
@@ -612,7 +611,7 @@ class _Drill:
             relays = self._query(
                 servers.database_url,
                 "relays_registered",
-                {"pids": pids, "stale": RELAY_STALE_SECONDS},
+                {"pids": pids, "stale": settings.heartbeat_stale_seconds},
             )[0][0]
             return relays >= options.relays and all(members.ready(m) for m in members.of("worker"))
 

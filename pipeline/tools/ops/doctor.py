@@ -58,7 +58,7 @@ from pipeline.db.migrate import (
     functions_checksum,
 )
 from pipeline.db.stores.diagnostics import DiagnosticsStore
-from pipeline.db.stores.relays import RelayInfo, RelayStore
+from pipeline.db.stores.heartbeats import HeartbeatStore, Kind, ProcessInfo
 from pipeline.db.tables import metadata
 from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.errors import ServiceUnavailableError
@@ -69,7 +69,7 @@ from pipeline.policy import (
     retention_problems,
 )
 from pipeline.registry import CANARY_CONSUMER
-from pipeline.tools.ops.relays import relay_state
+from pipeline.tools.ops.relays import process_state
 from pipeline.transport.factory import transport_class
 
 Status = Literal["ok", "info", "problem"]
@@ -122,7 +122,8 @@ def run_doctor(
             if _check_schema(conn, settings.schema_name, report):
                 _check_dead_letters(conn, settings.schema_name, report)
                 _check_canary(conn, settings, report)
-                _check_relays(conn, settings, report)
+                _check_processes(conn, settings, report, "relay")
+                _check_processes(conn, settings, report, "worker")
             _check_server(conn, settings, report, clock)
     except ServiceUnavailableError as exc:
         report.add("postgres", "problem", str(exc), "start Postgres or fix PIPELINE_DATABASE_URL")
@@ -298,34 +299,46 @@ def _check_dead_letters(conn: psycopg.Connection[Any], schema: str, report: Repo
         report.add("dead_letters", "ok", "no dead letters waiting")
 
 
-def _check_relays(conn: psycopg.Connection[Any], settings: Settings, report: Report) -> None:
-    relays = RelayStore(settings.schema_name).relays(conn)
-    states = [(relay, relay_state(relay)) for relay in relays]
-    alive = [relay for relay, state in states if state in ("busy", "idle")]
-    stale = [relay for relay, state in states if state == "stale"]
-    gone = [relay for relay, state in states if state == "gone"]
-    for relay in stale:
+START_HINTS = {
+    "relay": "start `pipeline relay` (events wait in the outbox until one runs)",
+    "worker": "start `pipeline worker` (deliveries wait on the broker until one runs)",
+}
+
+
+def _check_processes(
+    conn: psycopg.Connection[Any], settings: Settings, report: Report, kind: Kind
+) -> None:
+    """The relays' or worker processes' heartbeats: alive, stale (a problem) or gone."""
+    check = f"{kind}s"
+    states = [(p, process_state(p)) for p in HeartbeatStore(settings, kind).processes(conn)]
+    alive = [p for p, state in states if state in ("busy", "idle")]
+    stale = [p for p, state in states if state == "stale"]
+    gone = [p for p, state in states if state == "gone"]
+    for process in stale:
         report.add(
-            "relays",
+            check,
             "problem",
-            f"relay {relay.relay_id} ({relay.host} pid {relay.pid}) has not refreshed its "
-            f"heartbeat for {relay.heartbeat_age_seconds:.0f}s",
-            "check that process: a live relay refreshes its heartbeat every few seconds, "
-            "idle or busy; it may be stuck, cut off from Postgres, or killed",
+            f"{kind} {process.process_id} ({process.host} pid {process.pid}) has not refreshed "
+            f"its heartbeat for {process.heartbeat_age_seconds:.0f}s",
+            f"check that process: a live {kind} refreshes its heartbeat every few seconds, "
+            "idle or busy; it may be paused, stuck, cut off from Postgres, or killed",
         )
     if alive:
-        report.add("relays", "ok", f"{len(alive)} relay(s) alive" + _gone_note(gone))
+        busy = sum(state == "busy" for _, state in states)
+        report.add(
+            check,
+            "ok",
+            f"{len(alive)} {kind}(s) alive ({busy} busy, {len(alive) - busy} idle)"
+            + _gone_note(kind, gone),
+        )
     elif not stale:
         report.add(
-            "relays",
-            "info",
-            "no relay is running" + _gone_note(gone),
-            "start `pipeline relay` (events wait in the outbox until one runs)",
+            check, "info", f"no {kind} is running" + _gone_note(kind, gone), START_HINTS[kind]
         )
 
 
-def _gone_note(gone: list[RelayInfo]) -> str:
-    return f"; {len(gone)} gone (rows left by relays that did not stop cleanly)" if gone else ""
+def _gone_note(kind: str, gone: list[ProcessInfo]) -> str:
+    return f"; {len(gone)} gone (rows left by {kind}s that did not stop cleanly)" if gone else ""
 
 
 def _check_canary(conn: psycopg.Connection[Any], settings: Settings, report: Report) -> None:

@@ -1,9 +1,9 @@
-"""What operators are told about the relays: alive (busy or idle), stale or gone.
+"""What operators are told about relays and workers: alive (busy or idle), stale or gone.
 
-A live relay refreshes its heartbeat every couple of seconds, busy or idle, so the
-heartbeat's age decides (:func:`pipeline.db.stores.relays.relay_state`). A relay on this
-host whose process no longer exists (killed with ``kill -9``, its row left behind) is gone
-at once, whatever its heartbeat's age.
+A live relay or worker process refreshes its heartbeat every couple of seconds, busy or
+idle, so the heartbeat's age decides (:class:`pipeline.db.stores.heartbeats.ProcessInfo`).
+A process on this host that no longer exists (killed with ``kill -9``, its row left
+behind) is gone at once, whatever its heartbeat's age.
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import socket
 
-from pipeline.db.stores.relays import RelayInfo
+from pipeline.db.stores.heartbeats import ProcessInfo
 
 
-def relay_state(relay: RelayInfo) -> str:
+def process_state(process: ProcessInfo) -> str:
     """``busy``, ``idle``, ``stale`` or ``gone``."""
-    state = relay.state
-    if state != "gone" and relay.host == socket.gethostname() and not _running(relay.pid):
+    state = process.state
+    if state != "gone" and process.host == socket.gethostname() and not _running(process.pid):
         return "gone"
     return state
 

@@ -5,9 +5,10 @@ in Dramatiq's dead-letter sets, the oldest unsent event younger than the thresho
 no delivery owed to a consumer past the redelivery horizon (an event sent, but with no
 outcome for one of its consumers: the broker lost it, or no worker runs that consumer), and no
 event sent to no consumer (unless ``PIPELINE_ALLOW_UNROUTED`` says that is meant).
-Relays are listed as busy or idle (alive: a live relay refreshes its heartbeat every
-couple of seconds, busy or idle), stale (no heartbeat for a while: stopped uncleanly,
-stuck, or cut off from Postgres; a problem) or gone (its row outlived it; listed only).
+Relays and worker processes are listed as busy or idle (alive: a live one refreshes its
+heartbeat every couple of seconds, busy or idle), stale (no heartbeat for
+``PIPELINE_HEARTBEAT_STALE_SECONDS``: paused, stuck, or cut off from Postgres; a problem)
+or gone (its row outlived its process; listed only).
 """
 
 from __future__ import annotations
@@ -17,13 +18,13 @@ from typing import Any
 
 from pipeline.config import Settings
 from pipeline.db.connect import connect
-from pipeline.db.stores.relays import RelayInfo, RelayStore
+from pipeline.db.stores.heartbeats import HeartbeatStore, ProcessInfo
 from pipeline.db.stores.state import StateStore
 from pipeline.db.stores.unrouted import UnroutedStore
 from pipeline.driver_errors import wrap_driver_errors
 from pipeline.policy import redelivery_horizon
 from pipeline.tools.ops.activity import ConsumerActivity, format_activity, read_activity
-from pipeline.tools.ops.relays import relay_state
+from pipeline.tools.ops.relays import process_state
 from pipeline.tools.ops.text import printable_lines
 from pipeline.transport.base import QueueDepth
 from pipeline.transport.factory import open_transport
@@ -42,22 +43,33 @@ class Status:
     backlog: dict[str, int]
     oldest_pending_age_seconds: float
     dead_letters: dict[str, int]
-    relays: list[RelayInfo]
+    relays: list[ProcessInfo]
     queues: dict[str, QueueDepth] | None = field(default=None)
     owed: dict[str, int] = field(default_factory=dict)
     keys_held: dict[str, int] = field(default_factory=dict)
     interval_seconds: float = 300.0
     consumers: dict[str, ConsumerActivity] = field(default_factory=dict)
     unrouted: dict[str, int] = field(default_factory=dict)
+    workers: list[ProcessInfo] = field(default_factory=list)
 
     def as_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["oldest_pending_age_seconds"] = round(self.oldest_pending_age_seconds, 3)
         data["consumers"] = {name: a.as_json() for name, a in self.consumers.items()}
-        for relay, info in zip(data["relays"], self.relays, strict=True):
-            relay["heartbeat_age_seconds"] = round(relay["heartbeat_age_seconds"], 3)
-            relay["state"] = relay_state(info)
+        data["relays"] = [_process_json(info, "relay_id") for info in self.relays]
+        data["workers"] = [_process_json(info, "worker_id") for info in self.workers]
         return data
+
+
+def _process_json(info: ProcessInfo, id_name: str) -> dict[str, Any]:
+    return {
+        id_name: info.process_id,
+        "host": info.host,
+        "pid": info.pid,
+        "busy": info.busy,
+        "heartbeat_age_seconds": round(info.heartbeat_age_seconds, 3),
+        "state": process_state(info),
+    }
 
 
 def read_status(
@@ -76,7 +88,8 @@ def read_status(
     with wrap_driver_errors(settings), connect(settings, autocommit=True) as conn:
         conn.execute("SET statement_timeout = '10s'")
         database = StateStore(settings.schema_name).snapshot(conn, redelivery_horizon(settings))
-        relays = RelayStore(settings.schema_name).relays(conn)
+        relays = HeartbeatStore(settings, "relay").processes(conn)
+        workers = HeartbeatStore(settings, "worker").processes(conn)
         activity = read_activity(conn, settings.schema_name, interval, consumers or ())
         unrouted = UnroutedStore(settings.schema_name).counts(conn)
     depths: dict[str, QueueDepth] | None = None
@@ -117,13 +130,14 @@ def read_status(
             "with `pipeline dlq unrouted`, and once their consumers run, send them again with "
             "`pipeline dlq resend-unrouted --dry-run` (PIPELINE_ALLOW_UNROUTED=1 if meant)"
         )
-    for relay in relays:
-        if relay_state(relay) == "stale":
-            problems.append(
-                f"relay {relay.relay_id} ({relay.host} pid {relay.pid}) has not refreshed its "
-                f"heartbeat for {relay.heartbeat_age_seconds:.0f}s: it stopped without "
-                "removing its row, is stuck, or cannot reach Postgres"
-            )
+    for kind, processes in (("relay", relays), ("worker", workers)):
+        for process in processes:
+            if process_state(process) == "stale":
+                problems.append(
+                    f"{kind} {process.process_id} ({process.host} pid {process.pid}) has not "
+                    f"refreshed its heartbeat for {process.heartbeat_age_seconds:.0f}s: it is "
+                    "paused or stuck, cannot reach Postgres, or stopped without removing its row"
+                )
     for name, depth in sorted((depths or {}).items()):
         if depth.dead:
             problems.append(f"{depth.dead} messages in Dramatiq's dead-letter set of {name}")
@@ -140,6 +154,7 @@ def read_status(
         interval_seconds=interval,
         consumers=activity,
         unrouted=unrouted,
+        workers=workers,
     )
 
 
@@ -172,16 +187,8 @@ def format_status(status: Status) -> str:
     unrouted = ", ".join(f"{k} {v}" for k, v in sorted(status.unrouted.items())) or "none"
     lines.append(f"events sent to no consumer: {unrouted}")
     lines += format_activity(status.consumers, status.interval_seconds)
-    if status.relays:
-        alive = sum(relay_state(relay) in ("busy", "idle") for relay in status.relays)
-        lines.append(f"relays ({alive} alive):")
-        for relay in status.relays:
-            lines.append(
-                f"  {relay.relay_id} ({relay.host} pid {relay.pid}): {relay_state(relay)}, "
-                f"heartbeat {relay.heartbeat_age_seconds:.1f}s ago"
-            )
-    else:
-        lines.append("relays: none running")
+    lines += _format_processes("relays", status.relays)
+    lines += _format_processes("workers", status.workers)
     if status.queues is None:
         lines.append("queues: PIPELINE_BROKER_URL not set")
     elif status.queues:
@@ -191,3 +198,14 @@ def format_status(status: Status) -> str:
     else:
         lines.append("queues: none known")
     return printable_lines(lines)  # relay ids, hosts and queue names come from the servers
+
+
+def _format_processes(title: str, processes: list[ProcessInfo]) -> list[str]:
+    if not processes:
+        return [f"{title}: none running"]
+    alive = sum(process_state(p) in ("busy", "idle") for p in processes)
+    return [f"{title} ({alive} alive):"] + [
+        f"  {p.process_id} ({p.host} pid {p.pid}): {process_state(p)}, "
+        f"heartbeat {p.heartbeat_age_seconds:.1f}s ago"
+        for p in processes
+    ]

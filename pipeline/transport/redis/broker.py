@@ -74,10 +74,10 @@ def _log_missing_bodies(queue_name: str, duplicates: int, lost: int) -> None:
     )
 
 
-DONE_IDS_KEPT = 50_000
-"""Finished message ids remembered per queue (about 6 MB of Redis per queue when full): a
-leftover id older than that many acknowledgements counts as lost, not as a duplicate, which
-costs one needless look by the delivery ledger, never a second run."""
+# Finished message ids are remembered per queue, the last PIPELINE_FINISHED_IDS_KEPT of
+# them (50,000 by default: about 6 MB of Redis per queue when full): a leftover id older
+# than that many acknowledgements counts as lost, not as a duplicate, which costs one
+# needless look by the delivery ledger, never a second run.
 
 # KEYS[1] a consumer's un-acked set, KEYS[2] the queue's message bodies, KEYS[3] the queue's
 # finished ids. Removes the members that have no body and returns them, each followed by 1
@@ -234,9 +234,9 @@ class WakeableRedisConsumer(_RedisConsumer):
     def _finish(self, command: str, message: Any) -> None:
         """Dramatiq's ack or nack, after recording the id among the queue's finished ones.
 
-        One round trip: the record (and the trim of the set to :data:`DONE_IDS_KEPT`) and
-        Dramatiq's dispatch script travel in one pipeline, the record first, so an id
-        is known finished before its body goes.
+        One round trip: the record (and the trim of the set to the broker's
+        ``finished_ids_kept``) and Dramatiq's dispatch script travel in one pipeline, the
+        record first, so an id is known finished before its body goes.
         """
         broker = self.broker
         redis_id = message.options["redis_message_id"]
@@ -244,7 +244,7 @@ class WakeableRedisConsumer(_RedisConsumer):
         try:
             pipe = broker.client.pipeline(transaction=False)
             pipe.zadd(key, {redis_id: current_millis()})
-            pipe.zremrangebyrank(key, 0, -DONE_IDS_KEPT - 1)
+            pipe.zremrangebyrank(key, 0, -broker.finished_ids_kept - 1)
             broker.push_dispatch(pipe, command, self.queue_name, redis_id)
             results = pipe.execute(raise_on_error=False)
             if isinstance(results[-1], redis.exceptions.NoScriptError):
@@ -330,8 +330,15 @@ class PipelineRedisBroker(RedisBroker):
     undecodable_sink: UndecodableSink = staticmethod(_log_undecodable)
     missing_body_sink: MissingBodySink = staticmethod(_log_missing_bodies)
 
-    def __init__(self, *args: Any, outage_backoff_max: float = 10.0, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        outage_backoff_max: float = 10.0,
+        finished_ids_kept: int = 50_000,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+        self.finished_ids_kept = finished_ids_kept
         self.outage = BrokerOutage("Redis", cap=outage_backoff_max)
         self.take_bare_values = self.client.register_script(_TAKE_BARE_VALUES)
 
@@ -469,6 +476,7 @@ def make_broker(
         heartbeat_timeout=settings.broker_heartbeat_timeout_ms,
         maintenance_chance=settings.broker_maintenance_chance,
         outage_backoff_max=settings.reconnect_backoff_max,
+        finished_ids_kept=settings.finished_ids_kept,
         client=client,
     )
 
