@@ -16,6 +16,7 @@ from pipeline.observability.logging import configure_logging
 from pipeline.observability.metrics import zero_initialise_inbox, zero_initialise_publishing
 from pipeline.observability.tracing import configure_tracing, shutdown_tracing
 from pipeline.runtime import build_runtime
+from pipeline.signing import REASONS as REFUSALS
 
 
 class FlushTraces(Middleware):
@@ -33,7 +34,7 @@ class FlushTraces(Middleware):
 settings = get_settings()
 runtime = build_runtime(settings)
 _served = [s for s in runtime.registry.all() if s.handler is not None]
-zero_initialise_inbox([s.consumer for s in _served], [s.queue for s in _served])
+zero_initialise_inbox([s.consumer for s in _served], [s.queue for s in _served], REFUSALS)
 zero_initialise_publishing(runtime.registry.event_types())
 broker = runtime.broker
 configure_tracing(settings, "pipeline-worker")

@@ -300,11 +300,17 @@ def zero_initialise_publishing(event_types: Iterable[str]) -> None:
             publish_failures.labels(event_type, error_class)
 
 
-def zero_initialise_inbox(consumers: Iterable[str], queues: Iterable[str]) -> None:
-    """A worker's labelled inbox counters at 0 for its consumers and their queues."""
+def zero_initialise_inbox(
+    consumers: Iterable[str], queues: Iterable[str], refusals: Iterable[str] = ()
+) -> None:
+    """A worker's labelled inbox counters at 0 for its consumers and their queues, and
+    ``refusals`` (the reasons an envelope is refused as unauthentic) per consumer."""
+    refused = tuple(refusals)
     for consumer in consumers:
         for error_class in INFRASTRUCTURE_ERROR_CLASSES:
             inbox_infrastructure_retries.labels(consumer, error_class)
+        for reason in refused:
+            unauthentic_messages.labels(consumer, reason)
     for queue in queues:
         inbox_duplicates_dropped.labels(queue)
         deliveries_lost.labels(queue)

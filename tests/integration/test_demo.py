@@ -396,6 +396,7 @@ def test_keep_running_writes_a_prometheus_config_that_scrapes_the_demo(
         prometheus.start()
         up = wait_until_up(prometheus)
         assert up == {"pipeline-relay", "pipeline-worker"}
+        check_every_counter_is_present(prometheus)
         alerting = [r for r in prometheus.rules() if r["type"] == "alerting"]
         assert len(alerting) >= 19
         runbook = alerting[0]["annotations"]["runbook_url"]
@@ -409,6 +410,71 @@ def test_keep_running_writes_a_prometheus_config_that_scrapes_the_demo(
         demo.finish()
     assert code == 0, demo.output()
     assert demo.out_lines.empty()  # stdout held the JSON summary and nothing else
+
+
+# Counters of what a healthy demo never provokes (it injects duplicate deliveries, handler
+# failures and one poison order, so those counters move): every known label set at 0.
+UNPROVOKED = {
+    "pipeline_publish_failures": ("event_type",),
+    "pipeline_events_unrouted": ("event_type",),
+    "pipeline_inbox_infrastructure_retries": ("consumer",),
+    "pipeline_inbox_duplicates_dropped": ("queue",),
+    "pipeline_deliveries_lost": ("queue",),
+    "pipeline_unauthentic_messages": ("consumer",),
+    "pipeline_broker_memory_lost": (),
+    "pipeline_relay_listener_reconnects": (),
+}
+
+
+def declared_counters() -> dict[str, tuple[str, ...]]:
+    """Every counter the metrics module declares: family name -> label names."""
+    from prometheus_client import Counter
+
+    from pipeline.observability import metrics
+
+    return {
+        c.describe()[0].name: tuple(c._labelnames)  # no public accessor
+        for c in vars(metrics).values()
+        if isinstance(c, Counter)
+    }
+
+
+def check_every_counter_is_present(prometheus) -> None:
+    """Every declared counter has a series in Prometheus from the live demo (none appears
+    only after its first increment); the kinds that did not happen read 0 for every
+    consumer, queue and event type the demo registers."""
+    from pipeline.config import Settings
+    from pipeline.tools.demo.layout import APP_MODULE
+    from pipeline.tools.ops.consumers import load_registry
+
+    subscriptions = load_registry(Settings(app_modules=APP_MODULE)).all()
+    known = {
+        "consumer": {s.consumer for s in subscriptions},
+        "queue": {s.queue for s in subscriptions},
+        "event_type": {t for s in subscriptions for t in s.event_types},
+    }
+    counters = declared_counters()
+    assert set(UNPROVOKED) <= set(counters)
+
+    # both targets are up; their first scrapes may land a scrape interval apart
+    deadline = time.monotonic() + 30
+    while True:
+        series = prometheus.query('{__name__=~"pipeline_.*_total"}')
+        families = {s["metric"]["__name__"].removesuffix("_total") for s in series}
+        if families >= set(counters) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    by_family: dict[str, list[dict]] = {}
+    for sample in series:
+        by_family.setdefault(sample["metric"]["__name__"].removesuffix("_total"), []).append(sample)
+    assert set(counters) <= set(by_family)
+    for family, labels in UNPROVOKED.items():
+        assert tuple(counters[family][: len(labels)]) == labels, family
+        samples = by_family[family]
+        assert {float(s["value"][1]) for s in samples} == {0.0}, (family, samples)
+        for label in labels:
+            seen = {s["metric"][label] for s in samples}
+            assert known[label] <= seen, (family, label, known[label] - seen)
 
 
 def wait_until_up(prometheus) -> set[str]:

@@ -767,6 +767,15 @@ def test_groups_replay_exactly_one_cause_in_order_audited(engine, dlq_settings, 
     one_line_error(dlq(dlq_settings, "groups", "--group", "nope"), 2, "is not a fingerprint")
 
     set_broken(engine, False)  # the fix for one cause is deployed
+    # trying the fix on a few of the group in the sandbox needs no --yes and keeps nothing
+    before = checksums(dlq_settings, skip=["audit_log"])
+    tried = dlq_json(
+        dlq_settings,
+        *("replay", "--group", poison["fingerprint"], "--to-sandbox", "--limit", "3"),
+        *("--reason", "try the fix"),
+    )
+    assert [r["results"][0]["outcome"] for r in tried["runs"]] == ["ok"] * 3, tried
+    assert checksums(dlq_settings, skip=["audit_log"]) == before
     done = dlq_json(
         dlq_settings, "replay", "--group", poison["fingerprint"], "--yes", "--reason", "fixed"
     )
@@ -777,7 +786,8 @@ def test_groups_replay_exactly_one_cause_in_order_audited(engine, dlq_settings, 
         "pipeline.audit": [],
         "pipeline.shipping": [],
     }
-    (record,) = dlq_json(dlq_settings, "audit")
+    record, sandboxed = dlq_json(dlq_settings, "audit")
+    assert sandboxed["parameters"]["reason"] == "try the fix"
     assert (record["action"], record["affected"]) == ("dlq.replay", 110)
     assert record["parameters"]["filter"] == {"group": poison["fingerprint"]}
     assert (record["parameters"]["rate"], record["parameters"]["reason"]) == (50.0, "fixed")

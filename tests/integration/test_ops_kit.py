@@ -19,6 +19,7 @@ incident's facts in shell variables as the pages say. The poison-message playboo
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -528,10 +529,19 @@ def test_poison_event_fires_dead_letters_and_the_playbook_replays_it_once(ops: O
     assert effects_of(ops, event_id) == {"ledger": 1}  # the other consumer was not held up
 
     ops.poison_flag.unlink()  # the fix is deployed
+    grouped = subprocess.run(
+        ["bash", "-c", "pipeline dlq groups --stage consume --consumer orders --waiting --json"],
+        check=True,
+        cwd=ops.directory,
+        env=ops.env(),
+        capture_output=True,
+        text=True,
+    )
+    [group] = json.loads(grouped.stdout)  # one poison event: one cause
     results = ops.run_steps(
         "poison-message",
         CONSUMER="orders",
-        ERROR_CLASS="InvalidOrder",
+        FINGERPRINT=group["fingerprint"],
         DEAD_LETTER_ID=dead_letter_id,
         EVENT_ID=str(event_id),
         INCIDENT="OPS-1",
@@ -539,11 +549,12 @@ def test_poison_event_fires_dead_letters_and_the_playbook_replays_it_once(ops: O
 
     failed = [(r.args, r.returncode, r.stdout, r.stderr) for r in results if r.returncode != 0]
     assert not failed, failed
-    listing, shown = results[0].stdout, results[1].stdout
+    groups, listing, shown = results[0].stdout, results[1].stdout, results[2].stdout
+    assert group["fingerprint"] in groups and "InvalidOrder" in groups
     assert dead_letter_id in listing and "InvalidOrder" in listing
     assert "order has no line items" in shown
-    assert str(event_id) in results[2].stdout  # pipeline trace
-    assert dead_letter_id in results[3].stdout  # the dry run names what it would replay
+    assert str(event_id) in results[3].stdout  # pipeline trace
+    assert dead_letter_id in results[4].stdout  # the dry run names what it would replay
     wait_until(lambda: effects_of(ops, event_id) == {"ledger": 1, "orders": 1}, timeout=60)
     time.sleep(3)
     assert effects_of(ops, event_id) == {"ledger": 1, "orders": 1}  # processed once

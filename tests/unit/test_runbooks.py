@@ -131,6 +131,7 @@ EXAMPLES = {
     "DEAD_LETTER_ID": "41",
     "STAGE": "consume",
     "FINGERPRINT": "3b1f0c9a7d22",
+    "APP_MODULES": "shop.consumers",
 }
 
 
@@ -167,4 +168,4 @@ def test_runbook_pipeline_commands_parse_with_the_real_cli():
 
 def test_verified_playbooks_have_step_blocks():
     assert len(runbook_steps("relay-down")) == 4
-    assert len(runbook_steps("poison-message")) == 6
+    assert len(runbook_steps("poison-message")) == 7

@@ -201,7 +201,8 @@ def replay_command(
     A consume-stage dead letter is delivered once more to its consumer alone (the events
     keep their ids: inboxes that processed them drop the copies). Dead letters already
     replayed are not replayed again; a replay that fails again is a new dead letter.
-    With --group, the replay is a dry run unless --yes, paced at 50 events/s unless --rate.
+    With --group, the replay is a dry run unless --yes (--to-sandbox needs none), paced at
+    50 events/s unless --rate.
     Exits 1 when a dead letter could not be replayed, or (--to-sandbox) when a handler
     failed. Dry runs are not audited.
     """
@@ -209,7 +210,8 @@ def replay_command(
     from pipeline.tools.ops.dlq.replay_run import ReplayRequest, replay_dead_letters
 
     grouped = filters["group"] is not None
-    dry_run = dry_run or (grouped and not yes)
+    # a sandbox run is rolled back: trying a fix on a group needs no --yes
+    dry_run = dry_run or (grouped and not yes and not to_sandbox)
     if grouped and rate is None:
         rate = GROUP_RATE
     why = _reason(reason, dry_run)
