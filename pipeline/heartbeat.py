@@ -109,8 +109,6 @@ class WorkerHeartbeat(Middleware):
             log.debug("could not remove worker_state row", exc_info=True)
 
     def _close(self) -> None:
-        if self._conn is not None:
-            try:
-                self._conn.close()
-            finally:
-                self._conn = None
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()

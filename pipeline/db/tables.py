@@ -222,25 +222,22 @@ delivery_log = Table(
     Index("delivery_log_at_idx", "at"),
 )
 
-relay_state = Table(
-    "relay_state",
-    metadata,
-    Column("relay_id", Text, primary_key=True),
-    Column("busy", Boolean, nullable=False, server_default=text("false")),
-    Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=_now),
-    Column("host", Text, nullable=False),
-    Column("pid", Integer, nullable=False),
-)
 
-worker_state = Table(
-    "worker_state",
-    metadata,
-    Column("worker_id", Text, primary_key=True),
-    Column("busy", Boolean, nullable=False, server_default=text("false")),
-    Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=_now),
-    Column("host", Text, nullable=False),
-    Column("pid", Integer, nullable=False),
-)
+def _heartbeat_table(name: str, id_column: str) -> Table:
+    """A heartbeat table: the relays' and the worker processes' rows have one shape."""
+    return Table(
+        name,
+        metadata,
+        Column(id_column, Text, primary_key=True),
+        Column("busy", Boolean, nullable=False, server_default=text("false")),
+        Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=_now),
+        Column("host", Text, nullable=False),
+        Column("pid", Integer, nullable=False),
+    )
+
+
+relay_state = _heartbeat_table("relay_state", "relay_id")
+worker_state = _heartbeat_table("worker_state", "worker_id")
 
 delivery_sweep = Table(
     "delivery_sweep",
