@@ -932,12 +932,13 @@ def test_status_json_reports_state_and_exit_codes(engine, runtime, settings):
         "interval_seconds",
         "consumers",
         "unrouted",
+        "workers",
     }
     assert report["healthy"] is True and report["problems"] == []
     assert report["owed"] == {} and report["keys_held"] == {} and report["unrouted"] == {}
     assert report["backlog"] == {"pending": 0, "publishing": 0}
     assert report["dead_letters"] == {"publish": 0, "consume": 0}
-    assert report["relays"] == []
+    assert report["relays"] == [] and report["workers"] == []
     assert report["queues"]["pipeline.audit"] == {"ready": 0, "delayed": 0, "dead": 0}
     assert "pipeline.publish" in report["queues"]
 
