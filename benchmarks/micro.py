@@ -17,6 +17,11 @@ time), the cases interleaved over ``--rounds``:
 * ``backlog_gate``: what ``PIPELINE_BACKLOG_LIMIT`` adds to ``add_event*``: the per-call
   check (limit off and on) and the bounded count a producer process runs at most once a
   second with a limit, for ``--unsent`` events waiting and each of ``--limits``.
+* ``payload_check``: what the outbox's ceiling on payload size adds to a row, by how it is
+  enforced (none, a CHECK, a ``BEFORE INSERT OR UPDATE OF payload`` trigger): ``--rows``
+  single-row INSERTs of ~1 KiB payloads in one transaction (rows/s), the same rows by
+  ``INSERT … SELECT`` and an ``UPDATE`` of their status (server time per row: a CHECK is
+  evaluated on every update of the row, the trigger only when the payload changes).
 
 Without ``--database-url`` it starts a throwaway durable Postgres (``spans`` needs none).
 """
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+from psycopg.types.json import Jsonb
 from pydantic import SecretStr
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.orm import Session
@@ -293,7 +299,180 @@ def backlog_gate(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
     }
 
 
-STRATEGIES = {"spans": spans, "drivers": drivers, "backlog_gate": backlog_gate}
+# -- payload check ------------------------------------------------------------------------
+
+PAYLOAD_LIMIT = 256 * 1024
+# The candidates' conditions: rows whose payload they accept. ``exact`` measures compact JSON
+# only when the jsonb text (a space after each ',' and ':') is over the limit.
+PAYLOAD_CONDITIONS = {
+    "none": None,
+    "check_0005": "pg_column_size(payload) <= 262144 OR octet_length(payload::text) <= 1048576",
+    "check_text_only": f"octet_length(payload::text) <= {PAYLOAD_LIMIT}",
+    "check_exact": (
+        f"octet_length(payload::text) <= {PAYLOAD_LIMIT} OR octet_length(json_strip_nulls("
+        f"replace(payload::text, ': null', ': 1234')::json)::text) <= {PAYLOAD_LIMIT}"
+    ),
+}
+PAYLOAD_TRIGGERS = ("trigger_exact", "trigger_when")  # plpgsql always, or past a WHEN
+
+
+def bench_payload(n: int) -> dict[str, Any]:
+    """An order-like event of about 1 KiB of compact JSON."""
+    return {
+        "order_id": str(uuid.UUID(int=n)),
+        "customer": {"id": n, "name": f"Customer {n}", "email": f"c{n}@example.com"},
+        "items": [
+            {"sku": f"SKU-{n % 97}-{i}", "qty": i + 1, "price": 12.5 + i, "note": None}
+            for i in range(9)
+        ],
+        "shipping": [
+            {"line": f"{n} Example Street, building {i}", "city": "Springfield", "zip": 10_000 + i}
+            for i in range(5)
+        ],
+        "currency": "EUR",
+    }
+
+
+def payload_tables(conn: psycopg.Connection[Any], schema: str) -> list[str]:
+    """One table shaped like the outbox (its columns, defaults and indexes) per candidate."""
+    names = []
+    for name, condition in [*PAYLOAD_CONDITIONS.items(), *((t, None) for t in PAYLOAD_TRIGGERS)]:
+        table = f"bench_payload_{name}"
+        conn.execute(f"DROP TABLE IF EXISTS {table}")
+        conn.execute(
+            f'CREATE TABLE {table} (LIKE "{schema}".outbox '
+            "INCLUDING DEFAULTS INCLUDING IDENTITY INCLUDING INDEXES)"
+        )
+        if condition:
+            conn.execute(f"ALTER TABLE {table} ADD CONSTRAINT {table}_check CHECK ({condition})")
+        names.append(table)
+    conn.execute(
+        f"""
+        CREATE OR REPLACE FUNCTION bench_payload_size() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF {PAYLOAD_CONDITIONS["check_exact"].replace("payload", "NEW.payload")} THEN
+                RETURN NEW;
+            END IF;
+            RAISE check_violation USING CONSTRAINT = 'outbox_payload_size_check';
+        END $$"""
+    )
+    trigger = (
+        "CREATE TRIGGER bench_payload_size BEFORE INSERT OR UPDATE OF payload ON {} "
+        "FOR EACH ROW {} EXECUTE FUNCTION bench_payload_size()"
+    )
+    text_over = f"WHEN (octet_length(NEW.payload::text) > {PAYLOAD_LIMIT})"
+    conn.execute(trigger.format("bench_payload_trigger_exact", ""))
+    conn.execute(trigger.format("bench_payload_trigger_when", text_over))
+    return names
+
+
+def payload_round(conn: psycopg.Connection[Any], table: str, rows: int) -> dict[str, float]:
+    """Rows/s of single-row INSERTs in one transaction; server µs/row (the least of three
+    runs: a neighbour's burst only adds) of INSERT…SELECT, UPDATE, and the condition alone."""
+    params = [(uuid.uuid4(), Jsonb(bench_payload(n))) for n in range(rows)]
+    conn.execute(f"TRUNCATE {table}")
+    started = time.perf_counter()
+    with conn.transaction(), conn.cursor() as cursor:
+        cursor.executemany(
+            f"INSERT INTO {table} (id, event_type, payload) VALUES (%s, 'bench', %s)", params
+        )
+    inserts = rows / (time.perf_counter() - started)
+
+    def server_us(statement: str, before: str = "") -> float:
+        times = []
+        for _ in range(3):
+            if before:
+                conn.execute(before)
+            with conn.transaction():
+                conn.execute("SET LOCAL jit = off")
+                plan = conn.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}").fetchone()
+            assert plan is not None
+            times.append(float(plan[0][0]["Execution Time"]) * 1000 / rows)
+        return min(times)
+
+    update_us = server_us(f"UPDATE {table} SET status = 'sent'")
+    select_us = server_us(
+        f"INSERT INTO {table} (id, event_type, payload) "
+        "SELECT gen_random_uuid(), 'bench', payload FROM bench_payload_source",
+        before=f"TRUNCATE {table}",
+    )
+    name = table.removeprefix("bench_payload_")
+    condition = (
+        PAYLOAD_CONDITIONS.get(name)
+        or (PAYLOAD_CONDITIONS["check_exact" if name == "trigger_exact" else "check_text_only"])
+    )
+    condition_us = server_us(
+        "SELECT count(*) FROM bench_payload_source WHERE "
+        + (f"({condition}) IS NOT FALSE" if name != "none" else "payload IS NOT NULL")
+    )
+    return {
+        "inserts_per_s": round(inserts),
+        "insert_select_us_per_row": round(select_us, 2),
+        "update_us_per_row": round(update_us, 2),
+        "condition_us_per_row": round(condition_us, 2),
+    }
+
+
+def payload_check(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
+    assert url is not None
+    schema = "pipeline_bench" if args.database_url else "pipeline"
+    engine = create_engine("postgresql+psycopg://" + url.split("://", 1)[1])
+    with engine.begin() as connection:
+        upgrade(connection, schema)
+    engine.dispose()
+    runs: dict[str, list[dict[str, float]]] = {}
+    with psycopg.connect(url, autocommit=True) as conn:
+        tables = payload_tables(conn, schema)
+        conn.execute("DROP TABLE IF EXISTS bench_payload_source")
+        conn.execute("CREATE TABLE bench_payload_source (payload jsonb)")
+        with conn.cursor() as cursor:
+            cursor.executemany(
+                "INSERT INTO bench_payload_source VALUES (%s)",
+                [(Jsonb(bench_payload(n)),) for n in range(args.rows)],
+            )
+        for table in tables:
+            payload_round(conn, table, min(args.rows, 500))  # warm-up: caches, plans
+        for round_index in range(args.rounds):
+            for table in harness.rotated(tables, round_index):
+                name = table.removeprefix("bench_payload_")
+                runs.setdefault(name, []).append(payload_round(conn, table, args.rows))
+        for table in [*tables, "bench_payload_source"]:
+            conn.execute(f"DROP TABLE {table}")
+        conn.execute("DROP FUNCTION bench_payload_size()")
+    size = len(json.dumps(bench_payload(0), separators=(",", ":")))
+    median = {
+        name: {key: statistics.median(run[key] for run in results) for key in results[0]}
+        for name, results in runs.items()
+    }
+    least = {
+        name: {key: min(run[key] for run in results) for key in results[0] if "_us_" in key}
+        for name, results in runs.items()
+    }
+    for name, values in median.items():
+        print(f"  {name:16} {values}")
+    return {
+        "unit": "rows/s (one transaction of single-row INSERTs); server µs per row, least "
+        "of 3 (EXPLAIN ANALYZE of INSERT … SELECT, of UPDATE status, and of a SELECT "
+        "evaluating the condition alone: the trigger's row shows the exact condition)",
+        "payload_bytes": size,
+        "rows": args.rows,
+        "conditions": {
+            **PAYLOAD_CONDITIONS,
+            "trigger_exact": "check_exact in a plpgsql trigger, on every insert",
+            "trigger_when": "the trigger only WHEN the jsonb text is over the limit",
+        },
+        "median": median,
+        "least": least,
+        "runs": runs,
+    }
+
+
+STRATEGIES = {
+    "spans": spans,
+    "drivers": drivers,
+    "backlog_gate": backlog_gate,
+    "payload_check": payload_check,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -304,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=3000, help="drivers: calls per case")
     parser.add_argument("--unsent", default="10000,100000", help="backlog_gate: events waiting")
     parser.add_argument("--limits", default="10000,1000000", help="backlog_gate: limits")
+    parser.add_argument("--rows", type=int, default=5000, help="payload_check: rows per run")
     parser.add_argument("--database-url")
     parser.add_argument("--output", type=Path, default=harness.RESULTS / "micro.json")
     parser.add_argument("--span-child", choices=SPAN_MODES, help=argparse.SUPPRESS)

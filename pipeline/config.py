@@ -52,7 +52,7 @@ BROKER_URL_PREFIXES = ("redis://", "rediss://", "unix://", "redis+sentinel://", 
 MAX_COUNT = 2**31 - 1  # what an int column and a Redis/Dramatiq count can hold
 MAX_INTERVAL = 7 * 24 * 3600.0  # seconds a loop may sleep, a lease or a backoff may last
 MAX_AGE = 100 * 365 * 24 * 3600  # seconds of retention
-MAX_PAYLOAD_CEILING = 512 * 1024  # the outbox table refuses larger payloads (db/tables.py)
+MAX_PAYLOAD_CEILING = 256 * 1024  # the outbox table refuses larger payloads (functions.sql)
 PositiveInt = Annotated[int, Field(gt=0, le=MAX_COUNT)]
 PositiveFloat = Annotated[float, Field(gt=0, le=MAX_INTERVAL, allow_inf_nan=False)]
 Seconds = PositiveFloat
@@ -148,7 +148,7 @@ class Settings(BaseSettings):
     app_modules: str = ""  # comma-separated modules that register consumers
 
     # Producer
-    max_payload_bytes: Annotated[int, Field(gt=0, le=MAX_PAYLOAD_CEILING)] = 256 * 1024
+    max_payload_bytes: Annotated[int, Field(gt=0, le=MAX_PAYLOAD_CEILING)] = MAX_PAYLOAD_CEILING
     unordered_event_types: Annotated[frozenset[str], NoDecode] = frozenset()
 
     # Relay and publishing

@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from decimal import Decimal
 from functools import lru_cache
 from typing import Any
 
@@ -400,12 +401,43 @@ def check_depth(payload: Any, where: str = "event", limit: int = MAX_PAYLOAD_DEP
             raise EventValidationError(
                 f"{where}: payload nests lists and objects deeper than {limit} levels"
             )
-        below = []
+        below: list[Any] = []
         for value in level:
             for child in value.values() if isinstance(value, dict) else value:
                 if isinstance(child, dict | list | tuple):
                     below.append(child)
         level = below
+
+
+# A float json.dumps writes otherwise than Postgres prints it back: in exponent form
+# (1e-05, 1.5e+16) or as -0.0. Matches inside strings only cost the walk below.
+_FLOAT_WRITTEN_OTHERWISE = re.compile(r"[0-9]e[-+]|-0\.0(?![0-9])")
+
+
+def stored_size(payload: Any, encoded: str, encoded_bytes: int) -> int:
+    """Bytes of ``payload``'s compact JSON as the database measures it (migration 0008).
+
+    Postgres keeps a jsonb number as a decimal and prints it in full, so the outbox's
+    ceiling counts ``1e+300`` as 301 bytes and ``-0.0`` as ``0.0``; counting the same
+    here makes ``add_event`` refuse exactly what the table refuses.
+    """
+    if not _FLOAT_WRITTEN_OTHERWISE.search(encoded):
+        return encoded_bytes
+    size = encoded_bytes
+    level = [payload]
+    while level:
+        below: list[Any] = []
+        for value in level:
+            if isinstance(value, float):
+                written = float.__repr__(value)
+                printed = format(Decimal(written), "f").removeprefix("-" if value == 0 else "")
+                size += len(printed) - len(written)
+            elif isinstance(value, dict):
+                below.extend(value.values())
+            elif isinstance(value, list | tuple):
+                below.extend(value)
+        level = below
+    return size
 
 
 def encode_payload(payload: Any, max_bytes: int, where: str = "event") -> str:
@@ -420,7 +452,7 @@ def encode_payload(payload: Any, max_bytes: int, where: str = "event") -> str:
     except (TypeError, ValueError) as exc:
         raise EventValidationError(f"{where}: payload is not JSON-serialisable: {exc}") from None
     try:
-        size = len(encoded.encode("utf-8"))
+        size = stored_size(payload, encoded, len(encoded.encode("utf-8")))
     except UnicodeEncodeError:
         raise EventValidationError(
             f"{where}: payload contains a lone surrogate, which is not valid UTF-8"

@@ -1,7 +1,8 @@
 -- Repeatable objects (functions and triggers), re-applied whenever this file changes.
 -- Runs with search_path set to the pipeline schema. Placeholders filled in by migrate.py:
--- :channel the NOTIFY channel, :schema the quoted schema name, and the ordering locks' class
--- and bucket count (pipeline/db/ordering.py). Every function pins its search_path to the
+-- :channel the NOTIFY channel, :schema the quoted schema name, the ordering locks' class
+-- and bucket count (pipeline/db/ordering.py), and :payload_limit the largest payload in
+-- bytes (PIPELINE_MAX_PAYLOAD_BYTES's ceiling, pipeline/config.py). Every function pins its search_path to the
 -- schema and then pg_temp, so that no temporary table of the caller can stand in for a
 -- pipeline table.
 
@@ -63,6 +64,36 @@ BEGIN
         WHERE o.ordering_key = NEW.ordering_key AND o.status = 'pending'
         ORDER BY o.seq DESC LIMIT 1
     ));
+    RETURN NEW;
+END
+$$;
+
+-- Refuse an outbox payload larger than add_event accepts, whatever role writes the row, by
+-- add_event's own measure: bytes of compact JSON (no space after ',' or ':'), numbers as
+-- Postgres prints them. The trigger's WHEN reads the jsonb text (one space after each
+-- separator), never shorter than the compact form, so an ordinary event pays that
+-- conversion once, at insert, and no update that leaves the payload alone pays anything
+-- (a CHECK would run on every status change). Only a text over the limit comes here to be
+-- measured exactly: json_strip_nulls writes compact JSON, and the replace keeps it from
+-- dropping object members whose value is null (": null" occurs in the text only there or
+-- inside a string, and "1234" has the same length). ERRCODE and CONSTRAINT make it read
+-- as a CHECK violation of outbox_payload_size_check.
+CREATE OR REPLACE FUNCTION refuse_oversize_payload() RETURNS trigger
+LANGUAGE plpgsql
+SET search_path = :schema, pg_temp
+AS $$
+DECLARE
+    size integer := octet_length(
+        json_strip_nulls(replace(NEW.payload::text, ': null', ': 1234')::json)::text
+    );
+BEGIN
+    IF size > :payload_limit THEN
+        RAISE EXCEPTION USING
+            MESSAGE = 'outbox payload is ' || size
+                || ' bytes of compact JSON, over the limit of :payload_limit',
+            ERRCODE = 'check_violation', CONSTRAINT = 'outbox_payload_size_check',
+            TABLE = TG_TABLE_NAME, SCHEMA = TG_TABLE_SCHEMA;
+    END IF;
     RETURN NEW;
 END
 $$;
@@ -182,6 +213,11 @@ BEGIN
               o.created_at;
 END
 $$;
+
+DROP TRIGGER IF EXISTS outbox_payload_size ON outbox;
+CREATE TRIGGER outbox_payload_size BEFORE INSERT OR UPDATE OF payload ON outbox
+    FOR EACH ROW WHEN (octet_length(NEW.payload::text) > :payload_limit)
+    EXECUTE FUNCTION refuse_oversize_payload();
 
 DROP TRIGGER IF EXISTS outbox_sequence ON outbox;
 CREATE TRIGGER outbox_sequence BEFORE INSERT ON outbox

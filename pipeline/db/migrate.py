@@ -18,7 +18,7 @@ from importlib import resources
 from psycopg import sql
 from sqlalchemy import Connection, text
 
-from pipeline.config import validate_identifier
+from pipeline.config import MAX_PAYLOAD_CEILING, validate_identifier
 from pipeline.db.ordering import ORDERING_LOCK_BUCKETS, ORDERING_LOCK_CLASS
 from pipeline.errors import MigrationError
 
@@ -62,6 +62,7 @@ def functions_sql(schema: str) -> str:
         .replace(":channel", channel)
         .replace(":ordering_lock_class", str(ORDERING_LOCK_CLASS))
         .replace(":ordering_lock_buckets", str(ORDERING_LOCK_BUCKETS))
+        .replace(":payload_limit", str(MAX_PAYLOAD_CEILING))
         .replace(":schema", _quoted(schema))
     )
 

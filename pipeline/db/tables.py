@@ -30,8 +30,6 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB, UUID
 from sqlalchemy.types import UserDefinedType
 
-from pipeline.config import MAX_PAYLOAD_CEILING
-
 SCHEMA = "pipeline"
 metadata = MetaData(schema=SCHEMA)
 _now = text("clock_timestamp()")
@@ -67,11 +65,6 @@ def _status_check(name: str, values: tuple[str, ...]) -> CheckConstraint:
 
 
 OUTBOX_STATUSES = ("pending", "publishing", "sent", "dead")
-# Bytes of a payload's jsonb text form the database accepts from any role (migration 0005):
-# twice PIPELINE_MAX_PAYLOAD_BYTES's ceiling, as jsonb's text adds a space per ',' and ':'.
-OUTBOX_PAYLOAD_CEILING = 2 * MAX_PAYLOAD_CEILING
-# Stored (binary) size up to which the CHECK skips the text conversion: ordinary events.
-OUTBOX_PAYLOAD_CHECKED_FROM = 256 * 1024
 UNSENT = text("status IN ('pending', 'publishing')")
 
 outbox = Table(
@@ -101,11 +94,6 @@ outbox = Table(
     # what each of them is owed (their inbox rows hold the outcomes).
     Column("consumers", ARRAY(Text)),
     _status_check("outbox_status_check", OUTBOX_STATUSES),
-    CheckConstraint(
-        f"pg_column_size(payload) <= {OUTBOX_PAYLOAD_CHECKED_FROM} "
-        f"OR octet_length(payload::text) <= {OUTBOX_PAYLOAD_CEILING}",
-        name="outbox_payload_size_check",
-    ),
     Index("outbox_unsent_idx", "seq", postgresql_where=UNSENT),
     Index(
         "outbox_key_idx",

@@ -9,6 +9,7 @@ grants, and without any one of them fails with one clear line.
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Iterator
@@ -18,12 +19,14 @@ from urllib.parse import urlsplit, urlunsplit
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.types.json import Jsonb
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, PermissionDeniedError, Settings, add_event, add_events, configure
 from pipeline.db.privileges import dlq_grants, missing_privileges, relay_grants, worker_grants
-from pipeline.errors import ServiceUnavailableError
+from pipeline.errors import EventValidationError, ServiceUnavailableError
+from pipeline.outbox import stored_size
 from pipeline.tools.cli import main as cli_main
 from tests.conftest import create_database, drop_database
 from tests.support import (
@@ -229,6 +232,7 @@ def test_the_owner_owns_everything_and_only_the_triggers_run_with_its_rights(dep
     assert [(name, definer, path in config, by) for name, definer, config, by in functions] == [
         ("claim_outbox", False, True, owner),
         ("notify_outbox", True, True, owner),
+        ("refuse_oversize_payload", False, True, owner),
         ("sequence_ordered_event", True, True, owner),
     ]
 
@@ -272,6 +276,61 @@ def test_the_producer_adds_events_and_can_do_nothing_else(deployment):
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute(statement)
     assert count(deployment, "SELECT count(*) FROM pipeline.outbox WHERE status = 'pending'") == 2
+
+
+def padded(shape: dict[str, object], size: int) -> dict[str, object]:
+    """``shape`` plus a string member that makes it exactly ``size`` bytes as add_event
+    measures a payload (compact JSON, numbers as Postgres prints them)."""
+    base = {**shape, "pad": ""}
+    encoded = json.dumps(base, separators=(",", ":"), ensure_ascii=False)
+    return {**shape, "pad": "x" * (size - stored_size(base, encoded, len(encoded.encode())))}
+
+
+# A payload whose jsonb text (a space after each ',' and ':') is far longer than its compact
+# JSON, with members whose value is null, numbers, escapes and text that looks like JSON.
+STRUCTURED = {
+    "rows": [{"id": i, "note": None, "tags": ["a", None]} for i in range(6000)],
+    "text": 'say ": null", then {"a": 1, "b": [2, 3]}\n\t\u0001 é €',
+    "numbers": [0.5, -0.0, 1e-05, 12345678901234567890],
+}
+
+
+def test_the_outbox_refuses_exactly_what_add_event_refuses_whoever_inserts_it(deployment):
+    settings = deployment.settings("producer")
+    configure(settings)
+    limit = settings.max_payload_bytes
+    assert limit == 256 * 1024
+    engine = create_engine(settings.sqlalchemy_url())
+    for shape in ({}, STRUCTURED):
+        with Session(engine) as session, session.begin():
+            add_event(session, "role.big", padded(shape, limit))
+        with pytest.raises(EventValidationError, match=f"over the limit of {limit}"):
+            with Session(engine) as session, session.begin():
+                add_event(session, "role.big", padded(shape, limit + 1))
+    engine.dispose()
+
+    insert = "INSERT INTO pipeline.outbox (id, event_type, payload) VALUES (%s, 'role.big', {})"
+    refused = [
+        (insert.format("%s"), Jsonb(padded({}, limit + 1))),
+        (insert.format("%s"), Jsonb(padded(STRUCTURED, limit + 1))),
+        (insert.format("%s"), Jsonb({"blob": "x" * 300_000})),  # compresses to ~4 KiB
+        (insert.format("jsonb_build_object('blob', repeat('x', %s))"), 300_000),
+        (insert.format("(SELECT jsonb_agg(%s::numeric) FROM generate_series(1, 3))"), "1e131000"),
+    ]
+    with psycopg.connect(deployment.url("producer"), autocommit=True) as conn:
+        for statement, value in refused:
+            with pytest.raises(psycopg.errors.CheckViolation) as raised:
+                conn.execute(statement, (uuid.uuid4(), value))
+            assert raised.value.diag.constraint_name == "outbox_payload_size_check"
+            assert raised.value.diag.table_name == "outbox"
+            assert "bytes of compact JSON, over the limit of 262144" in str(raised.value)
+        for shape in ({}, STRUCTURED):
+            conn.execute(insert.format("%s"), (uuid.uuid4(), Jsonb(padded(shape, limit))))
+    sizes = deployment.admin(
+        "SELECT octet_length(payload::text) > %(limit)s FROM pipeline.outbox ORDER BY seq",
+        {"limit": limit},
+    )
+    assert sizes == [(True,)] * 4  # each one measured exactly: its text is over the limit
 
 
 def test_without_definer_triggers_the_producer_could_not_add_an_ordered_event(deployment):

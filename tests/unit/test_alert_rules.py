@@ -37,6 +37,7 @@ REQUIRED = {
     "PipelineStateMetricsStale",
     "PipelineStateMetricsAbsent",
     "PipelineEventsUnrouted",
+    "PipelineUnauthenticMessages",
     "PipelineOutboxBacklogGrowing",
     "PipelineOldestPendingEventTooOld",
     "PipelinePublishFailureRatioHigh",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -16,7 +17,7 @@ from pipeline.config import (
 )
 from pipeline.errors import ConfigurationError, EventValidationError
 from pipeline.inbox.consumer import consumer
-from pipeline.outbox import NewEvent, prepare_rows
+from pipeline.outbox import NewEvent, prepare_rows, stored_size
 from pipeline.registry import Registry
 from pipeline.tools.ops.text import printable, printable_lines
 
@@ -81,6 +82,32 @@ def test_what_add_event_accepts_at_the_edges() -> None:
     )
     assert rows[0]["id"] == event_id and isinstance(rows[0]["id"], uuid.UUID)
     assert rows[0]["event_version"] == 2**31 - 1
+
+
+@pytest.mark.parametrize(
+    ("payload", "stored"),
+    [
+        ({"n": 1e300}, '{"n":1' + "0" * 300 + "}"),  # Postgres prints numbers in full
+        ([1e-05, 1.5e16, -0.0], "[0.00001,15000000000000000,0.0]"),
+        ({"text": "1e+5 and -0.0 in a string"}, '{"text":"1e+5 and -0.0 in a string"}'),
+        ([0.5, -0.05, 10**20], "[0.5,-0.05,100000000000000000000]"),
+    ],
+)
+def test_payload_size_counts_numbers_as_the_outbox_stores_them(
+    payload: object, stored: str
+) -> None:
+    encoded = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    assert stored_size(payload, encoded, len(encoded)) == len(stored)
+    limit = Settings(max_payload_bytes=len(stored) - 1)
+    with pytest.raises(EventValidationError, match=f"payload is {len(stored)} bytes, over"):
+        prepare_rows([NewEvent("a.b", payload)], limit)
+    prepare_rows([NewEvent("a.b", payload)], Settings(max_payload_bytes=len(stored)))
+
+
+def test_the_payload_limit_cannot_be_raised_past_what_the_outbox_accepts() -> None:
+    assert Settings(max_payload_bytes=262_144).max_payload_bytes == 262_144
+    with pytest.raises(ValueError, match="less than or equal to 262144"):
+        Settings(max_payload_bytes=262_145)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,9 @@
 """``pipeline doctor``: check a deployment for what silently loses, delays or stalls events.
 
 Each check gives a :class:`Finding`: ``ok``, ``info`` (a fact to know, e.g. how the
-broker persists) or ``problem`` (with its fix); any problem makes the command exit non-zero.
+broker persists), ``warning`` (a risk the deployment may have chosen, with its fix; the
+command still exits 0) or ``problem`` (with its fix); any problem makes the command exit
+non-zero.
 What is checked, and how:
 
 * **schema**: migrations applied and none newer than this code; ``functions.sql`` as
@@ -26,6 +28,11 @@ What is checked, and how:
   (:mod:`pipeline.transport.amqp.health`): reachable; confirms on; every queue a quorum
   queue (each classic one named); ``consumer_timeout`` above the longest a worker holds a
   message; a majority of the cluster's members running.
+* **message key**: ``PIPELINE_MESSAGE_KEY`` as this process sees it (run the doctor with
+  the relays' and workers' settings): unset is a warning (anyone who can write to the
+  broker can make handlers run), ``insecure`` is that choice made on purpose (info), and
+  so is a ``PIPELINE_MESSAGE_KEY_PREVIOUS=insecure`` left after a key was introduced
+  (warning: workers still accept unsigned messages).
 * **clock**: this host's clock against the database's (queue messages carry the host's
   time, the delivery ledger the database's; it allows one second).
 * **dead letters** waiting, and the **canary**'s last arrival.
@@ -69,10 +76,11 @@ from pipeline.policy import (
     retention_problems,
 )
 from pipeline.registry import CANARY_CONSUMER
+from pipeline.signing import MessageKeys
 from pipeline.tools.ops.relays import process_state
 from pipeline.transport.factory import transport_class
 
-Status = Literal["ok", "info", "problem"]
+Status = Literal["ok", "info", "warning", "problem"]
 
 LISTEN_TIMEOUT = 2.0
 NOTIFY_QUEUE_LIMIT = 0.5
@@ -140,6 +148,7 @@ def run_doctor(
         _check_listen(settings, report)
     broker_rtt = _check_broker(settings, consumers, report)
     _check_retention(settings, consumers, report)
+    check_message_key(settings, report)
     _check_lease(settings, len(consumers), pg_rtt, broker_rtt, report)
     return report
 
@@ -513,6 +522,43 @@ def _check_retention(
     )
 
 
+def check_message_key(settings: Settings, report: Report) -> None:
+    """Whether workers can tell the relays' messages from anyone else's (docs/security.md)."""
+    keys = MessageKeys.from_settings(settings)
+    if not keys.explicit:
+        report.add(
+            "message_key",
+            "warning",
+            "PIPELINE_MESSAGE_KEY is not set: messages are not signed, so anyone who can "
+            "write to the broker can make handlers run on events that were never produced",
+            "set the same PIPELINE_MESSAGE_KEY (at least 32 characters) on relays and "
+            "workers, or PIPELINE_MESSAGE_KEY=insecure to accept unsigned messages on purpose",
+        )
+    elif not keys.signing:
+        off = settings.message_key.get_secret_value() if settings.message_key else ""
+        report.add(
+            "message_key",
+            "info",
+            f"PIPELINE_MESSAGE_KEY={off}: messages are not signed, on purpose; the broker "
+            "is trusted like the database",
+        )
+    elif keys.accept_unsigned:
+        report.add(
+            "message_key",
+            "warning",
+            "PIPELINE_MESSAGE_KEY_PREVIOUS=insecure: messages are signed, but workers still "
+            "accept unsigned ones (meant only while a key is introduced)",
+            "once every relay signs, unset PIPELINE_MESSAGE_KEY_PREVIOUS on the workers",
+        )
+    else:
+        rotation = " and the previous one" if keys.previous else ""
+        report.add(
+            "message_key",
+            "ok",
+            f"messages are signed; workers accept the current key{rotation} only",
+        )
+
+
 def _check_lease(
     settings: Settings,
     consumers: int,
@@ -575,7 +621,7 @@ def _round_trip(call: Callable[[], object], samples: int = 5) -> float:
 
 def format_report(report: Report) -> str:
     """The human-readable report: one line per finding, its fix indented below."""
-    marks = {"ok": "ok     ", "info": "info   ", "problem": "PROBLEM"}
+    marks = {"ok": "ok     ", "info": "info   ", "warning": "WARNING", "problem": "PROBLEM"}
     lines = [f"pipeline doctor: {'healthy' if report.healthy else 'PROBLEMS FOUND'}"]
     for finding in report.findings:
         lines.append(f"  {marks[finding.status]} {finding.check}: {finding.summary}")

@@ -487,6 +487,29 @@ def flow_alerts(o: KitOptions) -> list[Alert]:
             "Nothing re-sends them by itself.",
             RELAY_UID,
         ),
+        Alert(
+            "PipelineUnauthenticMessages",
+            _expr(
+                f"""
+                sum{o.by("consumer", "reason")} (increase(pipeline_unauthentic_messages_total{{{o.worker}}}[10m])) > 0
+                or
+                sum{o.by("consumer", "reason")} (
+                  pipeline_unauthentic_messages_total{{{o.worker}}}
+                  unless
+                  pipeline_unauthentic_messages_total{{{o.worker}}} offset 10m
+                ) > 0
+                """  # noqa: E501
+            ),
+            "1m",
+            "critical",
+            "Workers refused messages whose signature is missing or wrong.",
+            "{{ $value | humanize }} messages to consumer {{ $labels.consumer }} were refused "
+            "in the last 10 minutes ({{ $labels.reason }}) and dead-lettered unhandled: "
+            "someone writes to the broker who should not, or relays and workers run with "
+            "different PIPELINE_MESSAGE_KEY values.",
+            CONSUMERS_UID,
+            "var-consumer={{ $labels.consumer }}",
+        ),
     ]
     return [alert for alert in alerts if o.canary or alert.name != "PipelineCanaryStale"]
 
