@@ -278,13 +278,19 @@ def gate_count_ms(url: str, schema: str, unsent: int, limits: Sequence[int]) -> 
     return result
 
 
-def backlog_gate(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
-    assert url is not None
+def migrated_schema(args: argparse.Namespace, url: str) -> str:
+    """The pipeline schema the strategy works in (its own one on a given server), migrated."""
     schema = "pipeline_bench" if args.database_url else "pipeline"
     engine = create_engine("postgresql+psycopg://" + url.split("://", 1)[1])
     with engine.begin() as connection:
         upgrade(connection, schema)
     engine.dispose()
+    return schema
+
+
+def backlog_gate(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
+    assert url is not None
+    schema = migrated_schema(args, url)
     limits = [int(v) for v in args.limits.split(",")]
     return {
         "per_call_us": {
@@ -415,11 +421,7 @@ def payload_round(conn: psycopg.Connection[Any], table: str, rows: int) -> dict[
 
 def payload_check(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
     assert url is not None
-    schema = "pipeline_bench" if args.database_url else "pipeline"
-    engine = create_engine("postgresql+psycopg://" + url.split("://", 1)[1])
-    with engine.begin() as connection:
-        upgrade(connection, schema)
-    engine.dispose()
+    schema = migrated_schema(args, url)
     runs: dict[str, list[dict[str, float]]] = {}
     with psycopg.connect(url, autocommit=True) as conn:
         tables = payload_tables(conn, schema)
