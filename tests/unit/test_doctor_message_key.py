@@ -57,4 +57,3 @@ def test_accepting_unsigned_messages_beside_a_key_is_a_warning():
     assert status == "warning"
     assert "workers still accept unsigned ones" in summary
     assert fix == "once every relay signs, unset PIPELINE_MESSAGE_KEY_PREVIOUS on the workers"
-
