@@ -1,4 +1,4 @@
-"""End to end: producer commit → handler done, through relay, Redis and Dramatiq workers.
+"""End to end: producer commit → handler done, through relay, broker and Dramatiq workers.
 
 ``python -m benchmarks.end_to_end``. Everything runs on this machine: a durable Postgres
 (fsync on) and a Redis started here (unless URLs are given), one ``pipeline relay`` and
@@ -31,6 +31,12 @@ report's ``summary`` gives each other mode's throughput and CPU per event as rat
 the ``off`` run of the same round (median, mean, bootstrap 95 % interval). Every
 measurement starts from empty tables and records the machine's CPU per event, split by
 component, and a speed probe.
+
+``--transports redis,rabbitmq,rabbitmq-cluster`` runs all of that on each transport in
+turn, the order rotating by round: Redis, one RabbitMQ node, a three-node RabbitMQ cluster
+(quorum queues, publisher confirms; nodes of Debian's ``rabbitmq-server`` started here and
+kept running for the whole sitting). ``transports_summary`` gives each transport's
+throughput and latency percentiles over the rounds (median, min, max).
 """
 
 from __future__ import annotations
@@ -284,6 +290,7 @@ def cpu_by_component(
     """CPU milliseconds per processed event, by component (where tracing's cost lands)."""
     hz = os.sysconf("SC_CLK_TCK")
     roots = {process.pid: name for name, process in pipeline.processes.items()}
+    roots.update(pipeline.neighbours)
     roots[os.getpid()] = "benchmark (OTLP sink)"
 
     def component(pid: int) -> str:
@@ -448,7 +455,8 @@ def start_pipeline(
     env = base_environment()
     env.update(
         PIPELINE_DATABASE_URL=settings.require_database_url(),
-        PIPELINE_REDIS_URL=settings.require_redis_url(),
+        PIPELINE_BROKER_URL=settings.require_broker_url(),
+        **management_env(settings),
         PIPELINE_APP_MODULES="benchmarks.e2e_app",
         PYTHONPATH=str(harness.ROOT),
         PIPELINE_LOG_LEVEL="WARNING",
@@ -460,6 +468,12 @@ def start_pipeline(
     return harness.Children(
         {"relay": [*cli, "relay"], "workers": [*cli, "worker", *workers]}, logs, env
     )
+
+
+def management_env(settings: Settings) -> dict[str, str]:
+    """RabbitMQ's management API for the relay and workers, where not the default one."""
+    management = settings.broker_management_url
+    return {"PIPELINE_BROKER_MANAGEMENT_URL": management.get_secret_value()} if management else {}
 
 
 @contextmanager
@@ -483,58 +497,118 @@ def running_pipeline(
 # -- strategies ---------------------------------------------------------------------------
 
 
+def neighbours(brokers: dict[str, harness.Broker], used: str) -> dict[int, str]:
+    """The RabbitMQ nodes' CPU: the transport measured, or idle beside it."""
+    named = {}
+    for name, broker in brokers.items():
+        label = "rabbitmq" if name == used else f"{name} (idle, not measured)"
+        named.update(dict.fromkeys(broker.node_pids(), label))
+    return named
+
+
 def observability_runs(
-    args: argparse.Namespace, settings: Settings, engine: Any, logs: Path
+    args: argparse.Namespace,
+    settings: dict[str, Settings],
+    brokers: dict[str, harness.Broker],
+    engine: Any,
+    logs: Path,
 ) -> dict[str, Any]:
-    """``latency`` and ``throughput`` per observability mode, the order rotating by round."""
-    url = settings.require_database_url()
+    """``latency`` and ``throughput`` per transport and observability mode, the order of
+    both rotating by round."""
+    url = settings[args.transports[0]].require_database_url()
     sink = harness.OtlpSink()
     modes = args.observability.split(",")
     results: dict[str, Any] = {}
     by_round: list[dict[str, dict[str, Any]]] = []
+    by_transport: dict[str, list[dict[str, Any]]] = {name: [] for name in args.transports}
     for round_index in range(args.rounds):
-        this_round: dict[str, dict[str, Any]] = {}
-        for mode in harness.rotated(modes, round_index):
-            env = observability_env(mode, sink, args.sample_ratio)
-            runs: dict[str, Any] = {}
-            with running_pipeline(settings, args, engine, logs / f"{mode}-{round_index}", env) as p:
-                if "latency" in args.only:
-                    runs["latency"] = [
-                        measure_rate(
-                            env,
-                            url,
-                            engine,
-                            float(rate),
-                            args.duration,
-                            args.producers,
-                            p,
-                            args.events_per_transaction,
-                        )
-                        for rate in args.rates.split(",")
-                    ]
-                if "throughput" in args.only:
-                    runs["throughput"] = measure_throughput(
-                        env,
-                        url,
-                        engine,
-                        args.duration,
-                        args.producers,
-                        p,
-                        args.events_per_transaction,
-                    )
-            key, repeat = f"observability_{mode}", 2
-            while key in results:  # --observability off,on,off,on or --rounds: keep every run
-                key, repeat = f"observability_{mode}_{repeat}", repeat + 1
-            results[key] = this_round[mode] = runs
-            print(f"  {key}: {summarise_run(runs)}", flush=True)
-        by_round.append(this_round)
+        for transport in harness.rotated(args.transports, round_index):
+            this_round: dict[str, dict[str, Any]] = {}
+            for mode in harness.rotated(modes, round_index):
+                env = observability_env(mode, sink, args.sample_ratio)
+                prefix = "" if transport == "redis" else f"{transport}_"
+                log_dir = logs / f"{prefix}{mode}-{round_index}"
+                with running_pipeline(settings[transport], args, engine, log_dir, env) as p:
+                    p.neighbours = neighbours(brokers, transport)
+                    runs = measure_runs(args, env, url, engine, p)
+                key, repeat = f"{prefix}observability_{mode}", 2
+                while key in results:  # --observability off,on,off,on or --rounds: keep all
+                    key, repeat = f"{prefix}observability_{mode}_{repeat}", repeat + 1
+                results[key] = this_round[mode] = runs
+                if mode == modes[0]:
+                    by_transport[transport].append(runs)
+                print(f"  {key}: {summarise_run(runs)}", flush=True)
+            by_round.append(this_round)
     sink.shutdown()
     out: dict[str, Any] = {"results": results}
     if "off" in modes and len(modes) > 1 and "throughput" in args.only:
         out["summary"] = against_off(
             [{m: r["throughput"] for m, r in rnd.items()} for rnd in by_round]
         )
+    if len(args.transports) > 1:
+        out["transports_summary"] = transports_summary(by_transport, modes[0])
     return out
+
+
+def measure_runs(
+    args: argparse.Namespace,
+    env: dict[str, str],
+    url: str,
+    engine: Any,
+    pipeline: harness.Children,
+) -> dict[str, Any]:
+    """The strategies of one run on a started pipeline: latency at each rate, throughput."""
+    runs: dict[str, Any] = {}
+    if "latency" in args.only:
+        runs["latency"] = [
+            measure_rate(
+                env,
+                url,
+                engine,
+                float(rate),
+                args.duration,
+                args.producers,
+                pipeline,
+                args.events_per_transaction,
+            )
+            for rate in args.rates.split(",")
+        ]
+    if "throughput" in args.only:
+        runs["throughput"] = measure_throughput(
+            env,
+            url,
+            engine,
+            args.duration,
+            args.producers,
+            pipeline,
+            args.events_per_transaction,
+        )
+    return runs
+
+
+def transports_summary(by_transport: dict[str, list[dict[str, Any]]], mode: str) -> dict[str, Any]:
+    """Each transport's figures over the rounds (median, min, max), in the first mode."""
+    summary: dict[str, Any] = {"observability_mode": mode}
+    for transport, rounds in by_transport.items():
+        figures: dict[str, Any] = {"rounds": len(rounds)}
+        if rounds and "throughput" in rounds[0]:
+            throughput = [r["throughput"] for r in rounds]
+            figures["throughput_events_per_s"] = harness.spread(
+                [t["end_to_end_per_s"] for t in throughput]
+            )
+            figures["machine_cpu_ms_per_event"] = harness.spread(
+                [t["machine_cpu_ms_per_event"] for t in throughput]
+            )
+        for index, point in enumerate(rounds[0].get("latency", []) if rounds else []):
+            points = [r["latency"][index] for r in rounds]
+            figures[f"latency_at_{point['offered_events_per_s']:g}_per_s"] = {
+                "p50_ms": harness.spread([x["latency_ms"]["p50"] for x in points]),
+                "p99_ms": harness.spread([x["latency_ms"]["p99"] for x in points]),
+                "sustained": [x["sustained"] for x in points],
+                "phases_ms_p50_by_round": [x["phases_ms_p50"] for x in points],
+            }
+        summary[transport] = figures
+    return summary
 
 
 def summarise_run(runs: dict[str, Any]) -> str:
@@ -649,10 +723,12 @@ STAGES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("envelope decoding (json)", ("decode_envelope",)),
         ("inbox transaction: session, begin, commit", ("InboxProcessor.handle",)),
         ("Dramatiq: fetch from Redis", ("ConsumerThread", "WakeableRedisConsumer")),
+        ("Dramatiq on RabbitMQ: fetch, ack (pika)", ("RabbitmqConsumer", "pika")),
         ("Dramatiq: ack, middleware, dispatch", ("WorkerThread", "Broker.emit")),
     ],
     "relay": [
         ("claim statement", ("Drainer.claim",)),
+        ("RabbitMQ: publish and wait for confirms (pika)", ("_publish (", "pika")),
         ("envelope encoding (json)", ("encode",)),
         ("Redis pipeline", ("_enqueue", "Pipeline.execute")),
         ("mark sent / outcomes", ("_settle", "_record_outcome")),
@@ -717,6 +793,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     benchmark = [sys.executable, "-m", "benchmarks.end_to_end", "--only", "throughput"]
     benchmark += ["--api", args.api, "--events-per-transaction", "1"]
     benchmark += ["--observability", "default", "--duration", str(args.duration)]
+    benchmark += ["--transports", args.transports[0]]
     benchmark += ["--output", str(workdir / "end_to_end.json")]
     command = [py_spy, "record", "--subprocesses", "--gil", "--nonblocking"]
     command += ["--rate", str(args.profile_rate), "--format", "raw", "-o", str(samples), "--"]
@@ -730,7 +807,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "method": (
             "py-spy --gil samples of an end_to_end closed-loop run (one event per "
-            f"transaction, --api {args.api}, as shipped); shares of each process's samples"
+            f"transaction, --api {args.api}, as shipped, on {args.transports[0]}); shares of "
+            "each process's samples"
         ),
         "cpu_ms_per_event_by_component_while_sampled": sampled["results"]["observability_default"][
             "throughput"
@@ -774,13 +852,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples/s")
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")
+    parser.add_argument(
+        "--transports",
+        default="redis",
+        help="comma-separated, measured in turn: redis, rabbitmq (one node started here), "
+        "rabbitmq-cluster (three nodes started here)",
+    )
     parser.add_argument("--output", default=str(harness.RESULTS / "end_to_end.json"))
     args = parser.parse_args(argv)
+    args.transports = harness.parse_transports(args.transports)
+    if not args.transports:
+        parser.error("--transports names no transport")
     args.only = [s for s in args.only.split(",") if s]
     if unknown := sorted(set(args.only) - set(STRATEGIES)):
         parser.error(f"unknown strategies {unknown}; choose from {', '.join(STRATEGIES)}")
     if "profile" in args.only and args.only != ["profile"]:
         parser.error("profile runs the benchmark under py-spy: run it on its own")
+    if len(args.transports) > 1 and {"profile", "retention"} & set(args.only):
+        parser.error("profile and retention run on one transport: name one in --transports")
     return args
 
 
@@ -793,11 +882,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         harness.write_report(args.output, report)
         return 0
     logs = Path(tempfile.mkdtemp(prefix="pipeline-e2e-logs-"))
-    with harness.servers(args.database_url, args.redis_url) as servers:
-        settings = Settings(
-            database_url=servers.database_url,  # type: ignore[arg-type]
-            redis_url=servers.redis_url,  # type: ignore[arg-type]
-        )
+    with (
+        harness.servers(args.database_url, args.redis_url) as servers,
+        harness.brokers(args.transports, servers.redis_url) as brokers,
+    ):
+        by_transport = {
+            name: Settings(
+                database_url=servers.database_url,  # type: ignore[arg-type]
+                broker_url=broker.url,  # type: ignore[arg-type]
+                broker_management_url=broker.management_url,  # type: ignore[arg-type]
+            )
+            for name, broker in brokers.items()
+        }
+        settings = by_transport[args.transports[0]]
         configure(settings)
         engine = create_engine(settings.sqlalchemy_url(), pool_size=args.producers + 2)
         with engine.begin() as conn:
@@ -809,6 +906,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
         report["servers"] = servers.describe()
+        report["transports"] = [broker.describe() for broker in brokers.values()]
         report["durability"] = report["servers"]["postgres_settings"]
         report["logs"] = str(logs)
         report["setup"] = {
@@ -827,7 +925,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sampled_mode_ratio": args.sample_ratio,
         }
         if {"latency", "throughput"} & set(args.only):
-            report.update(observability_runs(args, settings, engine, logs))
+            report.update(observability_runs(args, by_transport, brokers, engine, logs))
             harness.write_report(args.output, report)
         if "retention" in args.only:
             report["retention"] = retention(args, settings, engine, logs)

@@ -45,6 +45,7 @@ import sqlalchemy
 from psycopg import sql
 
 from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -112,6 +113,66 @@ def servers(
             redis_server = stack.enter_context(EmbeddedRedis())
             redis_url = redis_server.url
         yield Servers(database_url, redis_url or "", postgres, redis_server)
+
+
+TRANSPORTS = {"redis": 0, "rabbitmq": 1, "rabbitmq-cluster": 3}
+"""The transports a benchmark can run on, and the RabbitMQ nodes each starts here."""
+
+
+@dataclass
+class Broker:
+    """One transport of a sitting: its broker URL and, for RabbitMQ, the nodes started here."""
+
+    name: str
+    url: str
+    cluster: RabbitCluster | None = None
+
+    @property
+    def management_url(self) -> str | None:
+        """The management API of the nodes started here (None: the broker URL's default)."""
+        return self.cluster.nodes[0].management_url if self.cluster else None
+
+    def node_pids(self) -> list[int]:
+        nodes = self.cluster.nodes if self.cluster else []
+        return [node.process.pid for node in nodes if node.process is not None]
+
+    def describe(self) -> dict[str, Any]:
+        if self.cluster is None:
+            server = "RabbitMQ (given)" if self.url.startswith("amqp") else "Redis (as above)"
+            return {"transport": self.name, "server": server}
+        first = self.cluster.nodes[0]
+        version = self.cluster.ctl(first, "version").strip()
+        return {
+            "transport": self.name,
+            "server": f"RabbitMQ {version}, {self.cluster.size} node(s) on this machine "
+            "(Debian rabbitmq-server, RabbitCluster), quorum queues, publisher confirms",
+        }
+
+
+def parse_transports(value: str) -> list[str]:
+    """``--transports``: a comma-separated subset of :data:`TRANSPORTS`, in the given order."""
+    names = [name for name in value.split(",") if name]
+    if unknown := [name for name in names if name not in TRANSPORTS]:
+        raise SystemExit(f"unknown transports {unknown}: use {', '.join(TRANSPORTS)}")
+    return names
+
+
+@contextlib.contextmanager
+def brokers(names: Sequence[str], redis_url: str) -> Iterator[dict[str, Broker]]:
+    """Each named transport's broker: the given Redis, or RabbitMQ nodes started here (one
+    node; a three-node cluster), all running for the whole sitting and removed after."""
+    with contextlib.ExitStack() as stack:
+        found: dict[str, Broker] = {}
+        for name in names:
+            size = TRANSPORTS[name]
+            if size == 0:
+                found[name] = Broker(name, redis_url)
+                continue
+            cluster = RabbitCluster(size)
+            stack.callback(cluster.cleanup)  # also after a start that failed half-way
+            cluster.start()
+            found[name] = Broker(name, cluster.url, cluster)
+        yield found
 
 
 def durability(url: str) -> dict[str, str]:
@@ -460,6 +521,8 @@ class Children:
         logs.mkdir(parents=True, exist_ok=True)
         self.logs = logs
         self.processes = {}
+        # Processes started elsewhere whose CPU counts under a name (a broker's nodes).
+        self.neighbours: dict[int, str] = {}
         for name, command in commands.items():
             with (logs / f"{name}.log").open("wb") as log:
                 self.processes[name] = subprocess.Popen(

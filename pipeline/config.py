@@ -444,6 +444,11 @@ class Settings(BaseSettings):
             AMQP_URL_PREFIXES
         )
 
+    @property
+    def transport_name(self) -> str:
+        """The transport the broker URL selects, as metrics label it: ``redis`` or ``rabbitmq``."""
+        return "rabbitmq" if self.broker_is_amqp else "redis"
+
     def sqlalchemy_url(self) -> str:
         """The database URL with the psycopg 3 dialect, for SQLAlchemy engines."""
         return "postgresql+psycopg://" + self.require_database_url().split("://", 1)[1]

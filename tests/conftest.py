@@ -6,9 +6,10 @@ servers, seconds), ``integration`` (tests/integration: real Postgres and Redis) 
 runs the first alone. A unit test that asks for a server fixture fails at set-up, so
 the unit tier cannot start a server by accident.
 
-Postgres and Redis come from ``PIPELINE_TEST_DATABASE_URL`` /
-``PIPELINE_TEST_REDIS_URL`` when set, else from throwaway servers started the first
-time a test needs them (session fixtures are lazy: a run of unit tests starts none).
+Postgres, Redis and RabbitMQ come from ``PIPELINE_TEST_DATABASE_URL`` /
+``PIPELINE_TEST_REDIS_URL`` / ``PIPELINE_TEST_AMQP_URL`` when set, else from throwaway
+servers started the first time a test needs them (session fixtures are lazy: a run of
+unit tests starts none; the RabbitMQ tests skip in one line without ``rabbitmq-server``).
 Each test gets its own database cloned from a migrated template and its own Redis key
 namespace, so a shared server's other data is never touched.
 """
@@ -21,6 +22,7 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlsplit, urlunsplit
@@ -32,14 +34,22 @@ from sqlalchemy import Engine, create_engine
 
 from pipeline.config import Settings, configure, libpq_url
 from pipeline.db.migrate import upgrade
+from pipeline.errors import BinaryNotFoundError
 from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 from pipeline.transport.namespace import delete_namespace
 from tests.support import OtlpReceiver
 
 RUN_ID = uuid.uuid4().hex[:8]
 TIERS = ("unit", "integration", "chaos")
 SERVER_FIXTURES = frozenset(
-    {"postgres_server_url", "redis_server_url", "private_postgres", "private_redis"}
+    {
+        "postgres_server_url",
+        "redis_server_url",
+        "amqp_server",
+        "private_postgres",
+        "private_redis",
+    }
 )
 
 
@@ -184,32 +194,54 @@ def empty_database_url(postgres_server_url: str) -> Iterator[str]:
         drop_database(postgres_server_url, name)
 
 
-AMQP_TEST_URL = "amqp://guest:guest@127.0.0.1:5672/%2F"
+@dataclass(frozen=True)
+class AmqpServer:
+    url: str
+    management_url: str | None  # None: the broker's host, port 15672
 
 
 @pytest.fixture(scope="session")
-def amqp_server_url() -> str:
-    """A RabbitMQ server: ``PIPELINE_TEST_AMQP_URL``, else the machine's on 127.0.0.1:5672.
+def amqp_server() -> Iterator[AmqpServer]:
+    """A RabbitMQ server: ``PIPELINE_TEST_AMQP_URL`` (its management API at
+    ``PIPELINE_TEST_AMQP_MANAGEMENT_URL`` if set), else a throwaway node of Debian's
+    ``rabbitmq-server`` started here (own ports and data, management API on).
 
-    The tests that need it skip, with the reason in one line, where none answers.
+    The tests that need it skip, with the reason in one line, where neither is there.
     """
-    url = os.environ.get("PIPELINE_TEST_AMQP_URL", AMQP_TEST_URL)
-    from pipeline.transport.amqp.transport import AmqpTransport
+    given = os.environ.get("PIPELINE_TEST_AMQP_URL")
+    if given:
+        from pipeline.transport.amqp.transport import AmqpTransport
 
-    problem = AmqpTransport.problem(Settings(broker_url=url))  # type: ignore[arg-type]
-    if problem is not None:
-        pytest.skip(f"no RabbitMQ: {problem} (set PIPELINE_TEST_AMQP_URL)")
-    return url
+        problem = AmqpTransport.problem(Settings(broker_url=given))  # type: ignore[arg-type]
+        if problem is not None:
+            pytest.skip(f"no RabbitMQ at PIPELINE_TEST_AMQP_URL: {problem}")
+        yield AmqpServer(given, os.environ.get("PIPELINE_TEST_AMQP_MANAGEMENT_URL"))
+        return
+    node = RabbitCluster(1)
+    try:
+        node.start()
+    except BinaryNotFoundError as exc:
+        node.cleanup()
+        pytest.skip(f"no RabbitMQ: {exc} (or set PIPELINE_TEST_AMQP_URL)")
+    except BaseException:
+        node.cleanup()
+        raise
+    try:
+        [first] = node.nodes
+        yield AmqpServer(first.url, first.management_url)
+    finally:
+        node.cleanup()
 
 
 @pytest.fixture
-def amqp_settings(database_url: str, amqp_server_url: str) -> Iterator[Settings]:
+def amqp_settings(database_url: str, amqp_server: AmqpServer) -> Iterator[Settings]:
     """Settings for this test's database and a queue namespace of its own on RabbitMQ,
     installed process-wide; the namespace's queues are deleted afterwards."""
     namespace = f"t{RUN_ID}{uuid.uuid4().hex[:8]}"
     value = Settings(
         database_url=database_url,  # type: ignore[arg-type]
-        broker_url=amqp_server_url,  # type: ignore[arg-type]
+        broker_url=amqp_server.url,  # type: ignore[arg-type]
+        broker_management_url=amqp_server.management_url,  # type: ignore[arg-type]
         redis_namespace=namespace,
         canary_interval=0,
     )
@@ -218,7 +250,7 @@ def amqp_settings(database_url: str, amqp_server_url: str) -> Iterator[Settings]
         yield value
     finally:
         configure(None)
-        delete_namespace(amqp_server_url, namespace)
+        delete_namespace(amqp_server.url, namespace, amqp_server.management_url)
 
 
 @pytest.fixture

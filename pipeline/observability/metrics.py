@@ -94,6 +94,13 @@ publish_batch_size = Histogram(
     "Events claimed per publishing batch.",
     buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000, 2500),
 )
+broker_publish = Histogram(
+    "pipeline_broker_publish_seconds",
+    "Time the broker took to accept a publishing batch, by transport: Redis's pipelined "
+    "write, or RabbitMQ's publish and its one publisher-confirm round.",
+    ["transport"],
+    buckets=LATENCY_BUCKETS,
+)
 publish_lag = Histogram(
     "pipeline_publish_lag_seconds",
     "Time from the outbox insert to the broker accepting the event.",

@@ -123,6 +123,8 @@ class Drainer:
         self.conn = connection
         self.store = OutboxStore(settings.schema_name)
         self.rng = rng or random.Random()
+        # Exported from the start, named by transport: what a batch waits on the broker.
+        self._broker_publish = metrics.broker_publish.labels(settings.transport_name)
 
     def claim(self, limit: int | None = None) -> tuple[int, list[OutboxEvent]]:
         """Lease up to ``limit`` due events; returns the fencing token and the events in order."""
@@ -173,7 +175,9 @@ class Drainer:
                 spans.enter_context(tracing.send_span(d.subscription.queue, d.events))
                 for d in deliveries
             ]
+            started = time.perf_counter()
             outcomes = self.publisher.deliver(deliveries)
+            self._broker_publish.observe(time.perf_counter() - started)
             for span, outcome in zip(sends, outcomes, strict=True):
                 tracing.record_send_outcome(span, outcome)
         attempts: Counter[str] = Counter()

@@ -3,7 +3,8 @@
 One snapshot is two cheap SQL statements (:class:`pipeline.db.stores.state.StateStore`)
 plus the broker's queue depths (one pipelined round trip on Redis, a passive declaration
 per queue on RabbitMQ). The broker's ``pipeline_state_up`` series keeps the label
-``source="redis"`` whichever the transport, so alerts on it stay as they are.
+``source="redis"`` whichever the transport, so alerts on it stay as they are; every series
+of it carries ``transport`` (``redis`` or ``rabbitmq``), so alerts can name the broker.
 :class:`StateCollector` serves it as Prometheus gauges, refreshed at most every
 ``PIPELINE_STATE_METRICS_INTERVAL`` seconds however often it is scraped; ``pipeline
 status`` reads it once. The state is the same whichever process reads it, so one
@@ -166,8 +167,8 @@ class StateCollector(Collector):
         up = GaugeMetricFamily(
             "pipeline_state_up",
             "1 if the last state refresh could read the source (postgres; redis: the message "
-            "broker, Redis or RabbitMQ).",
-            labels=["source"],
+            "broker, Redis or RabbitMQ, which the transport label names).",
+            labels=["source", "transport"],
         )
         duration = GaugeMetricFamily(
             "pipeline_state_refresh_duration_seconds",
@@ -211,8 +212,9 @@ class StateCollector(Collector):
         if filled:
             success.add_metric([], self._last_success)
         if refreshed:
-            up.add_metric(["postgres"], 1.0 if database is not None else 0.0)
-            up.add_metric(["redis"], 1.0 if queues is not None else 0.0)
+            transport = self.settings.transport_name
+            up.add_metric(["postgres", transport], 1.0 if database is not None else 0.0)
+            up.add_metric(["redis", transport], 1.0 if queues is not None else 0.0)
             duration.add_metric([], self._duration)
         if database is not None:
             for status, count in database.backlog.items():

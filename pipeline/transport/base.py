@@ -182,8 +182,10 @@ class Transport(ABC):
 
     @classmethod
     @abstractmethod
-    def delete_namespace(cls, url: str, namespace: str) -> None:
-        """Delete everything this transport keeps under ``namespace`` (demo, drill, tests)."""
+    def delete_namespace(cls, url: str, namespace: str, management_url: str | None = None) -> None:
+        """Delete everything this transport keeps under ``namespace`` (demo, drill, tests);
+        ``management_url``: RabbitMQ's management API when not on the broker's host and port
+        15672 (``PIPELINE_BROKER_MANAGEMENT_URL``)."""
 
     def close(self) -> None:
         """Close the broker's connections."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pipeline.transport.factory import transport_class
 
 
-def delete_namespace(url: str, namespace: str) -> None:
+def delete_namespace(url: str, namespace: str, management_url: str | None = None) -> None:
     """Delete the queues, wake-up lists and bookkeeping under ``namespace`` at ``url``
-    (nothing outside it: a shared server keeps other pipelines' data)."""
-    transport_class(url).delete_namespace(url, namespace)
+    (nothing outside it: a shared server keeps other pipelines' data); ``management_url``:
+    RabbitMQ's management API, where it is not the default one of ``url``."""
+    transport_class(url).delete_namespace(url, namespace, management_url)

@@ -1,7 +1,8 @@
 """The RabbitMQ transport against a real RabbitMQ: quorum queues, confirms, retries, garbage.
 
-Uses ``PIPELINE_TEST_AMQP_URL`` or the machine's RabbitMQ on 127.0.0.1:5672 (guest); every
-test skips with one line where none answers. Each test has a queue namespace of its own.
+Uses ``PIPELINE_TEST_AMQP_URL`` or a RabbitMQ node the tests start (Debian's
+``rabbitmq-server``); every test skips with one line where neither is there. Each test has
+a queue namespace of its own.
 The checks that need the management API (a queue policy, queue types as listed) skip
 where it is not enabled.
 """
@@ -353,8 +354,11 @@ def test_queue_depths_and_namespace_clean_up(amqp_settings):
             return
         # the management API refreshes its message counts every few seconds
         wait_until(lambda: "t.depth" in transport.queues_holding_messages(), timeout=30)
+        management_url = amqp_settings.broker_management_url
         type(transport).delete_namespace(
-            amqp_settings.require_broker_url(), amqp_settings.redis_namespace
+            amqp_settings.require_broker_url(),
+            amqp_settings.redis_namespace,
+            management_url.get_secret_value() if management_url else None,
         )
         left = [
             q["name"]

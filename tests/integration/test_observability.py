@@ -563,8 +563,8 @@ def test_state_collector_follows_backlog_dead_letters_and_queues(engine, runtime
         assert value(start, "pipeline_queue_depth", queue="pipeline.audit") == 0
         assert value(start, "pipeline_queue_depth", queue="pipeline.audit.DQ") == 0
         assert value(start, "pipeline_dead_letter_queue_depth", queue="pipeline.billing") == 0
-        assert value(start, "pipeline_state_up", source="postgres") == 1
-        assert value(start, "pipeline_state_up", source="redis") == 1
+        assert value(start, "pipeline_state_up", source="postgres", transport="redis") == 1
+        assert value(start, "pipeline_state_up", source="redis", transport="redis") == 1
         assert value(start, "pipeline_outbox_oldest_pending_age_seconds") == 0
 
         produce(engine, [NewEvent("order.placed", {"i": i}) for i in range(5)])
@@ -599,6 +599,33 @@ def test_state_collector_follows_backlog_dead_letters_and_queues(engine, runtime
         collector.close()
 
 
+def test_broker_publish_time_and_reachability_name_the_transport(engine, any_runtime):
+    """A batch's time on the broker (RabbitMQ: publish and confirm round) and the broker's
+    ``pipeline_state_up`` series carry the transport's name, on Redis and on RabbitMQ."""
+    settings = any_runtime.settings
+    transport = "rabbitmq" if settings.require_broker_url().startswith("amqp") else "redis"
+
+    def batches_timed() -> float:
+        labels = {"transport": transport}
+        return (
+            metrics.REGISTRY.get_sample_value("pipeline_broker_publish_seconds_count", labels)
+            or 0.0
+        )
+
+    drainer = drainer_for(any_runtime)
+    before = batches_timed()
+    produce(engine, [NewEvent("order.placed", {"i": i}) for i in range(3)])
+    assert drainer.run_batch().claimed == 3
+    assert batches_timed() == before + 1
+    collector = StateCollector(settings, lambda: ["pipeline.audit", "pipeline.billing"])
+    try:
+        collected = samples(collector)
+    finally:
+        collector.close()
+    assert value(collected, "pipeline_state_up", source="redis", transport=transport) == 1
+    assert value(collected, "pipeline_state_up", source="postgres", transport=transport) == 1
+
+
 def test_state_collector_queries_at_most_once_per_interval(settings):
     clock = [100.0]
     collector = StateCollector(settings, list, interval=5.0, clock=lambda: clock[0])
@@ -628,8 +655,8 @@ def test_state_collector_reports_an_unreachable_source_instead_of_stale_values(s
         collected = samples(collector)
     finally:
         collector.close()
-    assert value(collected, "pipeline_state_up", source="postgres") == 0
-    assert value(collected, "pipeline_state_up", source="redis") == 0
+    assert value(collected, "pipeline_state_up", source="postgres", transport="redis") == 0
+    assert value(collected, "pipeline_state_up", source="redis", transport="redis") == 0
     assert not [name for name, _ in collected if name.startswith("pipeline_outbox")]
     assert not [name for name, _ in collected if name.startswith("pipeline_queue")]
 
@@ -747,7 +774,8 @@ def test_relay_metrics_endpoint_passes_promtool_and_matches_the_docs(settings, t
     for queue in ("pipeline.audit", "pipeline.billing", "pipeline.publish"):
         assert f'pipeline_queue_depth{{queue="{queue}"}} 0.0' in text
         assert f'pipeline_dead_letter_queue_depth{{queue="{queue}"}} 0.0' in text
-    assert 'pipeline_state_up{source="postgres"} 1.0' in text
+    assert 'pipeline_state_up{source="postgres",transport="redis"} 1.0' in text
+    assert series(text, "pipeline_broker_publish_seconds_count", transport="redis") is not None
     # Labelled counters exist at 0 for their known label sets before any failure.
     for event_type in ("order.placed", "order.paid", CANARY_EVENT_TYPE):
         for error_class in ("PublisherUnavailable", "PermanentPublishError"):

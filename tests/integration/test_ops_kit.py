@@ -455,6 +455,7 @@ def test_redis_restart_fires_redis_unreachable_and_lost_deliveries_are_sent_agai
         try:
             alert = prom(ops).wait_firing("PipelineRedisUnreachable", FIRE_TIMEOUT)
             assert alert["labels"]["severity"] == "critical"
+            assert alert["labels"]["transport"] == "redis"
             assert not prom(ops).firing("PipelinePostgresUnreachable")
         finally:
             ops.redis.start()

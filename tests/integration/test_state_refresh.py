@@ -59,7 +59,7 @@ def test_a_scrape_never_waits_on_a_stalled_postgres(settings: Settings, tmp_path
             return value
 
         def postgres_up() -> float | None:
-            return series(scrape(url), "pipeline_state_up", source="postgres")
+            return series(scrape(url), "pipeline_state_up", source="postgres", transport="redis")
 
         first = wait_until(last_success, timeout=30)
         wait_until(lambda: last_success() > first, timeout=30)  # it advances while healthy

@@ -432,9 +432,13 @@ def relay(o: KitOptions) -> Json:
             ),
             stat(
                 "State sources readable",
-                "Postgres and Redis as the relay's state collector last read them (1 up, 0 down).",
+                "Postgres and the message broker (source redis; its transport: Redis or "
+                "RabbitMQ) as the relay's state collector last read them (1 up, 0 down).",
                 "short",
-                Query(f"min by (source) (pipeline_state_up{{{J}}})", "{{source}}"),
+                Query(
+                    f"min by (source, transport) (pipeline_state_up{{{J}}})",
+                    "{{source}} ({{transport}})",
+                ),
                 thresholds=((None, "red"), (1, "green")),
                 links=[
                     _runbook(o, "PipelinePostgresUnreachable"),
@@ -548,6 +552,17 @@ def relay(o: KitOptions) -> Json:
                 _quantile(0.99, "pipeline_publish_batch_events"),
                 width=8,
             ),
+            timeseries(
+                "Broker time per publishing batch",
+                "Time the broker took to accept a batch, by transport: Redis's pipelined "
+                "write; on RabbitMQ the publish and its publisher-confirm round (events are "
+                "marked sent only after every confirm).",
+                "s",
+                _quantile(0.5, "pipeline_broker_publish_seconds", "transport"),
+                _quantile(0.99, "pipeline_broker_publish_seconds", "transport"),
+                width=8,
+                links=[_runbook(o, "broker-down")],
+            ),
         ],
     )
     ledger = Row(
@@ -615,9 +630,13 @@ def relay(o: KitOptions) -> Json:
             ),
             timeseries(
                 "State sources readable over time",
-                "1 while the relay's state collector can read the source.",
+                "1 while the relay's state collector can read the source (source redis: the "
+                "message broker, of the transport named).",
                 "short",
-                Query(f"min by (source) (pipeline_state_up{{{J}}})", "{{source}}"),
+                Query(
+                    f"min by (source, transport) (pipeline_state_up{{{J}}})",
+                    "{{source}} ({{transport}})",
+                ),
                 width=8,
                 links=[_runbook(o, "postgres-down"), _runbook(o, "broker-down")],
             ),

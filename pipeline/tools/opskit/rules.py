@@ -289,12 +289,12 @@ def availability_alerts(o: KitOptions) -> list[Alert]:
         ),
         Alert(
             "PipelineRedisUnreachable",
-            f'max{o.by("source")} (pipeline_state_up{{{r}, source="redis"}}) == 0',
+            f'max{o.by("source", "transport")} (pipeline_state_up{{{r}, source="redis"}}) == 0',
             "2m",
             "critical",
-            "The relay cannot read Redis.",
-            "The relay's state collector has failed to read {{ $labels.source }} for 2 "
-            "minutes: nothing is "
+            "The relay cannot read the message broker ({{ $labels.transport }}).",
+            "The relay's state collector has failed to read the message broker "
+            "({{ $labels.transport }}) for 2 minutes: nothing is "
             "delivered to consumers (publishing retries and backs off) and the queue-depth "
             "gauges are missing.",
             OVERVIEW_UID,

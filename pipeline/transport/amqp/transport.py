@@ -175,9 +175,9 @@ class AmqpTransport(Transport):
         return None
 
     @classmethod
-    def delete_namespace(cls, url: str, namespace: str) -> None:
+    def delete_namespace(cls, url: str, namespace: str, management_url: str | None = None) -> None:
         """Delete the queues named ``<namespace>.*`` (through the management API)."""
-        management = Management(url)
+        management = Management(url, management_url)
         for queue in management.queues():
             name = str(queue.get("name", ""))
             if name.startswith(f"{namespace}."):

@@ -168,7 +168,7 @@ class RedisTransport(Transport):
         return None
 
     @classmethod
-    def delete_namespace(cls, url: str, namespace: str) -> None:
+    def delete_namespace(cls, url: str, namespace: str, management_url: str | None = None) -> None:
         """Delete the keys named ``<namespace>:*``, in chunks of 500.
 
         Scans rather than ``KEYS``, so a shared Redis is not blocked, and touches nothing
