@@ -35,7 +35,7 @@ settings = get_settings()
 runtime = build_runtime(settings)
 _served = [s for s in runtime.registry.all() if s.handler is not None]
 zero_initialise_inbox([s.consumer for s in _served], [s.queue for s in _served], REFUSALS)
-zero_initialise_publishing(runtime.registry.event_types())
+zero_initialise_publishing(runtime.registry.event_types(), settings.transport_name)
 broker = runtime.broker
 configure_tracing(settings, "pipeline-worker")
 broker.add_middleware(FlushTraces())

@@ -295,12 +295,14 @@ INFRASTRUCTURE_ERROR_CLASSES = ("OperationalError", "InterfaceError", "Connectio
 classes) or Redis gone. Other classes still count; these exist at 0 from the start."""
 
 
-def zero_initialise_publishing(event_types: Iterable[str]) -> None:
-    """A publishing process's labelled counters at 0 for the event types it knows.
+def zero_initialise_publishing(event_types: Iterable[str], transport: str) -> None:
+    """A publishing process's labelled series at 0 for the event types it knows.
 
     ``event_types``: the types its consumers subscribe to, and any it found waiting to be
     published; their failure and unrouted series then exist before the first failure.
+    ``transport``: its broker's name, the label of the broker publish time.
     """
+    broker_publish.labels(transport)
     for event_type in event_types:
         events_unrouted.labels(event_type)
         for error_class in PUBLISH_ERROR_CLASSES:

@@ -123,7 +123,7 @@ class Drainer:
         self.conn = connection
         self.store = OutboxStore(settings.schema_name)
         self.rng = rng or random.Random()
-        # Exported from the start, named by transport: what a batch waits on the broker.
+        # What a batch waits on the broker, named by transport.
         self._broker_publish = metrics.broker_publish.labels(settings.transport_name)
 
     def claim(self, limit: int | None = None) -> tuple[int, list[OutboxEvent]]:

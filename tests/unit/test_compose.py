@@ -13,6 +13,7 @@ import subprocess
 import warnings
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import click
 import pytest
@@ -130,7 +131,21 @@ def test_one_shot_migration_runs_pipeline_db_upgrade():
 
 
 @pytest.mark.parametrize(
-    "name", ["postgres", "redis", "payment-api", "relay", "worker", "prometheus", "grafana"]
+    "name",
+    [
+        "postgres",
+        "redis",
+        "payment-api",
+        "relay",
+        "worker",
+        "prometheus",
+        "grafana",
+        "rabbitmq-1",
+        "rabbitmq-2",
+        "rabbitmq-3",
+        "relay-rabbitmq",
+        "worker-rabbitmq",
+    ],
 )
 def test_health_checks(name):
     check = SERVICES[name].get("healthcheck")
@@ -225,17 +240,23 @@ def test_prometheus_scrapes_relay_and_workers_under_the_kits_job_names():
     from pipeline.tools.opskit import KitOptions
 
     kit = KitOptions()
-    jobs = {
-        c["job_name"]: c["static_configs"][0]["targets"]
-        for c in prometheus_config()["scrape_configs"]
-    }
+    jobs = {c["job_name"]: scrape_targets(c) for c in prometheus_config()["scrape_configs"]}
     relay_port = SERVICES["relay"]["ports"][0].rsplit(":", 1)[1]
     worker_port = SERVICES["worker"]["ports"][0].rsplit(":", 1)[1]
     assert jobs == {
-        kit.relay_job: [f"relay:{relay_port}"],
-        kit.worker_job: [f"worker:{worker_port}"],
+        kit.relay_job: [f"relay:{relay_port}", f"relay-rabbitmq:{relay_port}"],
+        kit.worker_job: [f"worker:{worker_port}", f"worker-rabbitmq:{worker_port}"],
     }
     assert SERVICES["relay"]["environment"]["PIPELINE_METRICS_HOST"] == "0.0.0.0"
+
+
+def scrape_targets(job: dict[str, Any]) -> list[str]:
+    """host:port of a scrape job's static targets, then of its DNS-discovered names."""
+    targets = [t for config in job.get("static_configs", []) for t in config["targets"]]
+    for config in job.get("dns_sd_configs", []):
+        assert config["type"] == "A"
+        targets += [f"{name}:{config['port']}" for name in config["names"]]
+    return targets
 
 
 def test_prometheus_loads_the_committed_rules_and_alerts_alertmanager():
@@ -349,3 +370,94 @@ def test_the_runbooks_service_serves_the_rendered_pages_at_the_kits_base_url():
     assert f"listen {published.rsplit(':', 1)[1]};" in conf
     root = re.search(r"root (\S+);", conf)
     assert root and mounts[root.group(1)] == ROOT / "runbooks"
+
+
+# -- the rabbitmq profile: a three-node RabbitMQ cluster and a pipeline on it ----------------
+
+RABBITMQ_NODES = ("rabbitmq-1", "rabbitmq-2", "rabbitmq-3")
+RABBITMQ_PIPELINE = ("migrate-rabbitmq", "relay-rabbitmq", "worker-rabbitmq", "demo-rabbitmq")
+
+
+def profile_services(profile: str) -> set[str]:
+    return {name for name, s in SERVICES.items() if profile in s.get("profiles", [])}
+
+
+def rabbitmq_config() -> dict[str, str]:
+    """compose/rabbitmq/rabbitmq.conf as the nodes mount it (key = value lines)."""
+    [path] = {
+        source
+        for node in RABBITMQ_NODES
+        for target, source in bind_mounts(SERVICES[node]).items()
+        if target.startswith("/etc/rabbitmq/conf.d/")
+    }
+    lines = [line.split("#", 1)[0].strip() for line in path.read_text().splitlines()]
+    return dict(tuple(part.strip() for part in line.split("=", 1)) for line in lines if line)
+
+
+def test_the_rabbitmq_profile_adds_a_cluster_and_a_pipeline_and_nothing_else():
+    assert profile_services("rabbitmq") == {*RABBITMQ_NODES, *RABBITMQ_PIPELINE}
+    for name, service in SERVICES.items():
+        assert set(service.get("profiles", [])) <= {"rabbitmq"}, name
+        if not service.get("profiles"):  # compose refuses a default service needing a profile
+            assert not set(service.get("depends_on", {})) & profile_services("rabbitmq"), name
+
+
+def test_the_rabbitmq_nodes_form_one_cluster():
+    config = rabbitmq_config()
+    assert config["cluster_formation.peer_discovery_backend"] == "classic_config"
+    listed = {v for k, v in config.items() if k.startswith("cluster_formation.classic_config")}
+    assert listed == {f"rabbit@{SERVICES[node]['hostname']}" for node in RABBITMQ_NODES}
+    assert {SERVICES[node]["hostname"] for node in RABBITMQ_NODES} == set(RABBITMQ_NODES)
+    cookies = {SERVICES[node]["environment"]["RABBITMQ_ERLANG_COOKIE"] for node in RABBITMQ_NODES}
+    assert len(cookies) == 1  # one Erlang cookie, or the nodes cannot talk
+    for node in RABBITMQ_NODES:
+        assert SERVICES[node]["image"].startswith("rabbitmq:")
+        assert "rabbitmq-diagnostics" in " ".join(SERVICES[node]["healthcheck"]["test"])
+        volumes = [str(v) for v in SERVICES[node]["volumes"]]
+        assert any(v.endswith(":/var/lib/rabbitmq") for v in volumes), node  # its own data
+    for node in RABBITMQ_NODES[1:]:  # the first node forms the cluster, the others join
+        assert SERVICES[node]["depends_on"]["rabbitmq-1"]["condition"] == "service_healthy"
+
+
+def test_the_rabbitmq_pipeline_uses_every_node_with_quorum_queues_in_its_own_schema():
+    from pipeline.transport.amqp.broker import queue_arguments
+
+    config = rabbitmq_config()
+    environments = [SERVICES[name]["environment"] for name in RABBITMQ_PIPELINE]
+    assert all(env == environments[0] for env in environments[:3])  # migrate, relay, worker
+    env = environments[0]
+    settings = Settings(
+        broker_url=env["PIPELINE_BROKER_URL"],  # type: ignore[arg-type]
+        schema_name=env["PIPELINE_SCHEMA_NAME"],
+    )
+    assert settings.broker_is_amqp and settings.transport_name == "rabbitmq"
+    urls = [urlsplit(url) for url in env["PIPELINE_BROKER_URL"].split(";")]
+    assert [(u.hostname, u.port) for u in urls] == [(node, 5672) for node in RABBITMQ_NODES]
+    assert {(u.username, u.password) for u in urls} == {
+        (config["default_user"], config["default_pass"])
+    }
+    assert env["PIPELINE_BROKER_CONSUMER_TIMEOUT_MS"] == config["consumer_timeout"]
+    assert queue_arguments(settings.redis_namespace, "orders")["x-queue-type"] == "quorum"
+    redis_env = SERVICES["relay"]["environment"]
+    assert urlsplit(redis_env["PIPELINE_BROKER_URL"]).scheme == "redis"
+    assert env["PIPELINE_SCHEMA_NAME"] != redis_env.get("PIPELINE_SCHEMA_NAME", "pipeline")
+    assert env["PIPELINE_DEMO_SCHEMA"] != redis_env["PIPELINE_DEMO_SCHEMA"]
+    assert env["PIPELINE_DATABASE_URL"] == redis_env["PIPELINE_DATABASE_URL"]
+    for name in ("relay-rabbitmq", "worker-rabbitmq"):
+        depends = SERVICES[name]["depends_on"]
+        assert depends["migrate-rabbitmq"]["condition"] == "service_completed_successfully"
+        for node in RABBITMQ_NODES:
+            assert depends[node]["condition"] == "service_healthy", (name, node)
+        assert argv(SERVICES[name])[:2] == argv(SERVICES[name.removesuffix("-rabbitmq")])[:2]
+    assert argv(SERVICES["migrate-rabbitmq"]) == ["pipeline", "db", "upgrade"]
+
+
+def test_the_rabbitmq_demo_checks_its_own_workers():
+    args = argv(SERVICES["demo-rabbitmq"])
+    assert args[:3] == ["pipeline", "demo", "--external"]
+    metrics_url = urlsplit(args[args.index("--worker-metrics-url") + 1])
+    worker_port = SERVICES["worker-rabbitmq"]["ports"][0].rsplit(":", 1)[1]
+    assert (metrics_url.hostname, str(metrics_url.port)) == ("worker-rabbitmq", worker_port)
+    assert SERVICES["demo-rabbitmq"]["depends_on"]["worker-rabbitmq"]["condition"] == (
+        "service_healthy"
+    )

@@ -146,7 +146,9 @@ def _relay_metrics(
         else []
     )
     zero_initialise_consumers(consumers())
-    zero_initialise_publishing(sorted({*runtime.registry.event_types(), *unrouted}))
+    zero_initialise_publishing(
+        sorted({*runtime.registry.event_types(), *unrouted}), settings.transport_name
+    )
     serving = metrics_port(settings, "relay") if port is None else port
     refresher = None
     if collectors and serving:
