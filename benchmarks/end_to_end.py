@@ -497,6 +497,11 @@ def running_pipeline(
 # -- strategies ---------------------------------------------------------------------------
 
 
+def result_key(transport: str, mode: str) -> str:
+    """A run's key in the report: ``observability_<mode>``, prefixed by a RabbitMQ transport."""
+    return f"observability_{mode}" if transport == "redis" else f"{transport}_observability_{mode}"
+
+
 def neighbours(brokers: dict[str, harness.Broker], used: str) -> dict[int, str]:
     """The RabbitMQ nodes' CPU: the transport measured, or idle beside it."""
     named = {}
@@ -526,14 +531,14 @@ def observability_runs(
             this_round: dict[str, dict[str, Any]] = {}
             for mode in harness.rotated(modes, round_index):
                 env = observability_env(mode, sink, args.sample_ratio)
-                prefix = "" if transport == "redis" else f"{transport}_"
-                log_dir = logs / f"{prefix}{mode}-{round_index}"
+                base_key = result_key(transport, mode)
+                log_dir = logs / f"{base_key}-{round_index}"
                 with running_pipeline(settings[transport], args, engine, log_dir, env) as p:
                     p.neighbours = neighbours(brokers, transport)
                     runs = measure_runs(args, env, url, engine, p)
-                key, repeat = f"{prefix}observability_{mode}", 2
+                key, repeat = base_key, 2
                 while key in results:  # --observability off,on,off,on or --rounds: keep all
-                    key, repeat = f"{prefix}observability_{mode}_{repeat}", repeat + 1
+                    key, repeat = f"{base_key}_{repeat}", repeat + 1
                 results[key] = this_round[mode] = runs
                 if mode == modes[0]:
                     by_transport[transport].append(runs)
@@ -722,8 +727,9 @@ STAGES: dict[str, list[tuple[str, tuple[str, ...]]]] = {
         ("tracing (process span)", ("process_span",)),
         ("envelope decoding (json)", ("decode_envelope",)),
         ("inbox transaction: session, begin, commit", ("InboxProcessor.handle",)),
-        ("Dramatiq: fetch from Redis", ("ConsumerThread", "WakeableRedisConsumer")),
+        # Dramatiq's ConsumerThread runs either broker's consumer: RabbitMQ's (pika) first.
         ("Dramatiq on RabbitMQ: fetch, ack (pika)", ("RabbitmqConsumer", "pika")),
+        ("Dramatiq: fetch from Redis", ("ConsumerThread", "WakeableRedisConsumer")),
         ("Dramatiq: ack, middleware, dispatch", ("WorkerThread", "Broker.emit")),
     ],
     "relay": [
@@ -810,9 +816,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             f"transaction, --api {args.api}, as shipped, on {args.transports[0]}); shares of "
             "each process's samples"
         ),
-        "cpu_ms_per_event_by_component_while_sampled": sampled["results"]["observability_default"][
-            "throughput"
-        ]["cpu_ms_per_event_by_component"],
+        "cpu_ms_per_event_by_component_while_sampled": sampled["results"][
+            result_key(args.transports[0], "default")
+        ]["throughput"]["cpu_ms_per_event_by_component"],
         "split": split,
     }
 
