@@ -173,7 +173,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--amqp-url", help="an existing RabbitMQ, measured as 'rabbitmq'")
     parser.add_argument("--events", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--output", default=str(harness.RESULTS / "relay_transports.json"))
+    parser.add_argument("--output", default=str(harness.RESULTS / "transports" / "relay.json"))
     args = parser.parse_args(argv)
     args.transports = harness.parse_transports(args.transports)
     if not args.transports:
