@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pika
 import pika.exceptions
@@ -23,6 +25,7 @@ from dramatiq.common import q_name
 from sqlalchemy import Engine, create_engine, text
 
 from pipeline import NewEvent, Settings, configure
+from pipeline.envelope import OutboxEvent
 from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
 from pipeline.registry import Registry
 from pipeline.runtime import build_runtime
@@ -30,12 +33,14 @@ from pipeline.transport.amqp.broker import dead_queue_arguments, physical_name, 
 from pipeline.transport.amqp.management import Management
 from pipeline.transport.base import delay_queue_name
 from pipeline.transport.factory import open_transport
+from pipeline.transport.publisher import Delivery
 from tests.integration.conftest import drainer_for
 from tests.integration.test_inbox import TABLES
 from tests.support import (
     app_registry,
     pipeline_env,
     produce,
+    queue_messages,
     run_cli,
     running_pipeline,
     running_worker,
@@ -134,6 +139,38 @@ def test_events_flow_end_to_end_through_quorum_queues(amqp_engine, fast_settings
     assert len(ours) >= 6
     assert {q["type"] for q in ours} == {"quorum"}, ours
     assert not any("x-max-priority" in q.get("arguments", {}) for q in ours)
+
+
+def test_a_confirm_ends_the_publishers_wait_at_once(amqp_settings, consumers, monkeypatch):
+    """The publisher waits for confirms in slices; a confirm must end the slice, not the
+    slice's end. With a 120 s slice, a batch that waited the slice out would still hang."""
+    from pipeline.transport.amqp import publisher as amqp_publisher
+
+    monkeypatch.setattr(amqp_publisher, "CONFIRM_WAIT_SLICE", 120.0)
+    runtime = build_runtime(amqp_settings, consumers, set_global_broker=False)
+    subscription = consumers.all()[0]
+    produced = threading.Event()
+
+    def publish() -> None:
+        for count in (1, 10, 100):
+            deliveries = [Delivery(subscription, [outbox_event()]) for _ in range(count)]
+            assert runtime.publisher.deliver(deliveries) == [None] * count
+        produced.set()
+
+    worker = threading.Thread(target=publish, daemon=True)
+    try:
+        worker.start()
+        assert produced.wait(timeout=60), "the publisher waited out its slice for a confirm"
+        assert len(queue_messages(amqp_settings, subscription.queue)) == 111
+    finally:
+        worker.join(timeout=130)
+        runtime.close()
+
+
+def outbox_event() -> OutboxEvent:
+    return OutboxEvent(
+        uuid.uuid4(), 1, None, None, None, "order.placed", 1, "{}", "{}", 0, datetime.now(UTC)
+    )
 
 
 def test_a_publish_the_broker_refused_is_not_marked_sent(amqp_engine, fast_settings, consumers):

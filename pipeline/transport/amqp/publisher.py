@@ -59,6 +59,14 @@ def message_json(
     )
 
 
+CONFIRM_WAIT_SLICE = 0.05
+"""Seconds of one wait for confirms: a confirm ends it early, the deadline is checked after."""
+
+
+def _nothing() -> None:
+    """Wakes a waiting ``process_data_events`` (see :meth:`_Link.on_confirm`)."""
+
+
 class _Link:
     """One thread's connection and confirm-mode channel, with its confirms' bookkeeping."""
 
@@ -79,6 +87,10 @@ class _Link:
                 self.confirmed.setdefault(pending, acked)
         else:
             self.confirmed[tag] = acked
+        # A confirm arrives on the channel's own callback, which does not end pika's
+        # process_data_events(time_limit): without a ready event it waits out its whole
+        # slice (CONFIRM_WAIT_SLICE a batch). A no-op timer is one, so the wait ends now.
+        self.connection.call_later(0, _nothing)
 
     def on_return(self, *_args: Any) -> None:
         self.returned += 1
@@ -227,7 +239,7 @@ class AmqpPublisher:
         while any(tag not in link.confirmed for tag in range(first, last + 1)):
             if time.monotonic() > deadline:
                 raise unavailable(f"no confirm within {self.confirm_timeout:.0f}s")
-            link.connection.process_data_events(time_limit=0.05)
+            link.connection.process_data_events(time_limit=CONFIRM_WAIT_SLICE)
         link.connection.process_data_events(time_limit=0)  # hand over returns received
         refused = sum(1 for tag in range(first, last + 1) if not link.confirmed.pop(tag))
         if refused:
