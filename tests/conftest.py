@@ -34,11 +34,9 @@ from sqlalchemy import Engine, create_engine
 
 from pipeline.config import Settings, configure, libpq_url
 from pipeline.db.migrate import upgrade
-from pipeline.errors import BinaryNotFoundError
 from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
-from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 from pipeline.transport.namespace import delete_namespace
-from tests.support import OtlpReceiver
+from tests.support import OtlpReceiver, rabbitmq_nodes
 
 RUN_ID = uuid.uuid4().hex[:8]
 TIERS = ("unit", "integration", "chaos")
@@ -217,20 +215,9 @@ def amqp_server() -> Iterator[AmqpServer]:
             pytest.skip(f"no RabbitMQ at PIPELINE_TEST_AMQP_URL: {problem}")
         yield AmqpServer(given, os.environ.get("PIPELINE_TEST_AMQP_MANAGEMENT_URL"))
         return
-    node = RabbitCluster(1)
-    try:
-        node.start()
-    except BinaryNotFoundError as exc:
-        node.cleanup()
-        pytest.skip(f"no RabbitMQ: {exc} (or set PIPELINE_TEST_AMQP_URL)")
-    except BaseException:
-        node.cleanup()
-        raise
-    try:
+    with rabbitmq_nodes(1) as node:
         [first] = node.nodes
         yield AmqpServer(first.url, first.management_url)
-    finally:
-        node.cleanup()
 
 
 @pytest.fixture

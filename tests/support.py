@@ -31,10 +31,34 @@ from pipeline.registry import Registry
 from pipeline.registry import registry as global_registry
 from pipeline.relay.relay import Relay
 from pipeline.runtime import Runtime, build_runtime
+from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 from pipeline.transport.redis.keys import messages_key, queue_key
 
 ROOT = Path(__file__).resolve().parent.parent
 SOAK = os.environ.get("PIPELINE_SOAK") == "1"
+
+
+@contextmanager
+def rabbitmq_nodes(size: int) -> Iterator[RabbitCluster]:
+    """``size`` RabbitMQ nodes started for a test (Debian's rabbitmq-server), removed after;
+    the test skips in one line where rabbitmq-server is not installed."""
+    import pytest
+
+    from pipeline.errors import BinaryNotFoundError
+
+    value = RabbitCluster(size)
+    try:
+        value.start()
+    except BinaryNotFoundError as exc:
+        value.cleanup()
+        pytest.skip(f"no RabbitMQ: {exc} (or set PIPELINE_TEST_AMQP_URL)")
+    except BaseException:
+        value.cleanup()
+        raise
+    try:
+        yield value
+    finally:
+        value.cleanup()
 
 
 def soak(short: int, long: int) -> int:

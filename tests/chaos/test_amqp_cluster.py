@@ -19,12 +19,11 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from pipeline import NewEvent, Settings, configure
-from pipeline.errors import BinaryNotFoundError
 from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 from pipeline.transport.amqp.broker import physical_name
 from pipeline.transport.amqp.management import Management
 from tests.integration.test_inbox import TABLES
-from tests.support import SOAK, produce, running_pipeline, soak, wait_until
+from tests.support import SOAK, produce, rabbitmq_nodes, running_pipeline, soak, wait_until
 
 APP = "tests.apps.inbox_app"
 
@@ -33,16 +32,8 @@ APP = "tests.apps.inbox_app"
 def cluster() -> Iterator[RabbitCluster]:
     if not SOAK:  # each test starts three nodes (30-50 s) and runs minutes under load
         pytest.skip("three-node RabbitMQ cluster tests run with PIPELINE_SOAK=1")
-    value = RabbitCluster(3)
-    try:
-        value.start()
-    except BinaryNotFoundError as exc:
-        value.cleanup()
-        pytest.skip(f"no RabbitMQ cluster: {exc}")
-    try:
+    with rabbitmq_nodes(3) as value:
         yield value
-    finally:
-        value.cleanup()
 
 
 def leader_of(cluster: RabbitCluster, settings: Settings, queue: str) -> int:
@@ -183,16 +174,8 @@ def test_without_a_majority_nothing_is_marked_sent_until_one_returns(
 
 @pytest.fixture
 def single_node() -> Iterator[RabbitCluster]:
-    value = RabbitCluster(1)
-    try:
-        value.start()
-    except BinaryNotFoundError as exc:
-        value.cleanup()
-        pytest.skip(f"no RabbitMQ node: {exc}")
-    try:
+    with rabbitmq_nodes(1) as value:
         yield value
-    finally:
-        value.cleanup()
 
 
 def test_a_worker_waits_through_a_broker_outage_one_line_per_step(
