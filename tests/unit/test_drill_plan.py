@@ -8,7 +8,15 @@ from collections import Counter
 import pytest
 
 from pipeline.tools.drill.check import Undelivered, mark_held
-from pipeline.tools.drill.faults import KINDS, OWNED_ONLY, STAGING_KINDS, Fault, schedule
+from pipeline.tools.drill.faults import (
+    AMQP_KINDS,
+    KINDS,
+    ONE_HOST_KINDS,
+    OWNED_ONLY,
+    STAGING_KINDS,
+    Fault,
+    schedule,
+)
 from pipeline.tools.drill.report import probable_cause
 from pipeline.tools.drill.runner import DrillError, DrillOptions, allowed_kinds
 from pipeline.tools.drill.workflow import LEDGER, PAYMENTS
@@ -59,6 +67,31 @@ def test_given_servers_are_never_restarted():
         allowed_kinds(DrillOptions(redis_url="redis://h:6379/0", fault_kinds=("redis-down",)))
     with pytest.raises(DrillError, match="unknown fault kind 'reboot'"):
         allowed_kinds(DrillOptions(fault_kinds=("reboot",)))
+
+
+def test_on_rabbitmq_the_redis_kinds_give_way_to_the_rabbitmq_ones():
+    amqp = allowed_kinds(DrillOptions(transport="amqp"))
+    assert amqp == AMQP_KINDS
+    assert not any(k.startswith(("redis-", "sentinel-")) for k in amqp)
+    assert {k for k in amqp if k.startswith("rabbit-")} == {
+        "rabbit-kill-node", "rabbit-restart-node", "rabbit-no-majority", "rabbit-stall"
+    }  # fmt: skip
+    assert set(ONE_HOST_KINDS) - set(amqp) == {k for k in KINDS if k.startswith("redis-")}
+    single = allowed_kinds(DrillOptions(transport="amqp", rabbit_nodes=1))
+    assert set(amqp) - set(single) == {"rabbit-no-majority"}
+    assert not any(k.startswith("rabbit-") for k in allowed_kinds(DrillOptions()))
+
+
+def test_rabbitmq_faults_last_as_planned_and_proxy_faults_name_the_broker():
+    faults = schedule(AMQP_KINDS, 80, 100.0, random.Random(7), broker="rabbitmq")
+    by_kind: dict[str, list[Fault]] = {}
+    for fault in faults:
+        by_kind.setdefault(fault.kind, []).append(fault)
+    assert all(2.0 <= f.seconds <= 6.0 for f in by_kind["rabbit-kill-node"])
+    assert all(5.0 <= f.seconds <= 15.0 for f in by_kind["rabbit-no-majority"])
+    assert all(3.0 <= f.seconds <= 12.0 for f in by_kind["rabbit-stall"])
+    targets = {f.target for f in faults if f.kind.startswith("proxy-")}
+    assert targets == {"postgres", "rabbitmq", "both"}
 
 
 def test_the_plan_numbers_each_accounts_orders_in_sequence_with_poison_among_them():

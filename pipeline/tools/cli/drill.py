@@ -25,7 +25,9 @@ FAULT_KINDS_HELP = (
     "clock-skew; with --hosts also partition-worker-broker, partition-worker-postgres, "
     "partition-worker-both, partition-relay-postgres, partition-relay-broker, zombie-relay, "
     "link-degrade (the proxy kinds then do not apply); with --sentinel sentinel-kill-master "
-    "and sentinel-failover instead of the redis-* kinds."
+    "and sentinel-failover instead of the redis-* kinds; with --transport amqp "
+    "rabbit-kill-node, rabbit-restart-node, rabbit-no-majority (three nodes) and rabbit-stall "
+    "instead of the redis-* kinds."
 )
 
 
@@ -88,6 +90,22 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     is_flag=True,
     help="Run the drill's Redis as a master, a replica and three sentinels, reached through "
     "a redis+sentinel:// URL, and fail it over.",
+)
+@click.option(
+    "--transport",
+    type=click.Choice(["redis", "amqp"]),
+    default="redis",
+    show_default=True,
+    help="The broker: the drill's own Redis, or (amqp) its own RabbitMQ cluster of "
+    "--rabbit-nodes nodes (Debian's rabbitmq-server on this machine; quorum queues).",
+)
+@click.option(
+    "--rabbit-nodes",
+    type=click.Choice(["1", "3"]),
+    default="3",
+    show_default=True,
+    callback=lambda ctx, param, value: int(value),
+    help="Nodes of the drill's RabbitMQ cluster (--transport amqp).",
 )
 @json_option("Print the report as one JSON object.")
 def drill(**options: object) -> None:

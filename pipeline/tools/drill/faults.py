@@ -26,6 +26,12 @@ from pipeline.tools.drill.network import (
     PROXY_KINDS,
     NetworkFaults,
 )
+from pipeline.tools.drill.rabbit import (
+    RABBIT_DESCRIPTIONS,
+    RABBIT_KINDS,
+    RabbitFaults,
+    rabbit_seconds,
+)
 from pipeline.tools.drill.sql import DrillQueries
 
 KINDS = (
@@ -47,6 +53,7 @@ KINDS = (
     *NETWORK_KINDS,
     "sentinel-kill-master",
     "sentinel-failover",
+    *RABBIT_KINDS,
 )
 DESCRIPTIONS = {
     "relay-kill": "SIGKILL of a relay process, restarted after 0.5-3 s",
@@ -69,9 +76,10 @@ DESCRIPTIONS = {
     "sentinel-kill-master": "the Sentinel-watched master SIGKILLed (a failover), back later as "
     "a replica",
     "sentinel-failover": "a failover forced with SENTINEL FAILOVER",
+    **RABBIT_DESCRIPTIONS,
 }
 OWNED_ONLY = frozenset(
-    kind for kind in KINDS if kind.startswith(("postgres-", "redis-", "sentinel-"))
+    kind for kind in KINDS if kind.startswith(("postgres-", "redis-", "sentinel-", "rabbit-"))
 )
 """Faults done to a server, which the drill does only to servers it started itself."""
 SENTINEL_ONLY = frozenset(kind for kind in KINDS if kind.startswith("sentinel-"))
@@ -80,16 +88,24 @@ REDIS_ALONE = frozenset(kind for kind in KINDS if kind.startswith("redis-"))
 """Faults of one Redis process, which ``--sentinel`` replaces with a master and a replica."""
 HOSTS_ONLY = frozenset(NETWORK_KINDS)
 """Faults between hosts, which need ``--hosts``."""
-ONE_HOST_KINDS = tuple(kind for kind in KINDS if kind not in HOSTS_ONLY | SENTINEL_ONLY)
+RABBIT_ONLY = frozenset(RABBIT_KINDS)
+"""Faults of the drill's RabbitMQ cluster (``--transport amqp``)."""
+ONE_HOST_KINDS = tuple(
+    kind for kind in KINDS if kind not in HOSTS_ONLY | SENTINEL_ONLY | RABBIT_ONLY
+)
 """What a drill on one host (the default) may inject."""
 STAGING_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in OWNED_ONLY)
 """What a drill against given servers may inject."""
-HOSTS_KINDS = tuple(kind for kind in KINDS if kind not in SENTINEL_ONLY | set(PROXY_KINDS))
+HOSTS_KINDS = tuple(
+    kind for kind in KINDS if kind not in SENTINEL_ONLY | RABBIT_ONLY | set(PROXY_KINDS)
+)
 """What a drill across hosts may inject."""
 SENTINEL_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in REDIS_ALONE) + tuple(
     sorted(SENTINEL_ONLY)
 )
 """What a drill on a Redis watched by Sentinel may inject."""
+AMQP_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in REDIS_ALONE) + RABBIT_KINDS
+"""What a drill on its own RabbitMQ cluster may inject (``--transport amqp``)."""
 FIND_CONNECTIONS_SECONDS = 5.0
 DEFAULT_LEASE_SECONDS = 30.0  # PIPELINE_LEASE_SECONDS when the processes' environment has none
 
@@ -113,6 +129,7 @@ class Fault:
     started: float | None = None  # wall clock (time.time())
     ended: float | None = None
     detail: str = ""
+    violation: str = ""  # a guarantee the fault itself checks and saw broken
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -130,10 +147,12 @@ def schedule(
     window: float,
     rng: random.Random,
     network_seconds: float = 30.0,
+    broker: str = "redis",
 ) -> list[Fault]:
     """``count`` faults over ``window`` seconds: each kind once (if ``count`` allows), then
     kinds at random, at random moments between 5 % and 90 % of the window. Network faults
-    last between 5 s (or ``network_seconds`` if shorter) and ``network_seconds``."""
+    last between 5 s (or ``network_seconds`` if shorter) and ``network_seconds``. Proxy
+    faults target Postgres, the ``broker`` (its name) or both."""
     if count <= 0 or not kinds:
         return []
     chosen = list(kinds) if count >= len(kinds) else rng.sample(list(kinds), count)
@@ -160,24 +179,32 @@ def schedule(
             fault.skew = rng.choice((-1, 1)) * rng.uniform(60.0, 3600.0)
         elif kind in HOSTS_ONLY:
             fault.seconds = rng.uniform(min(5.0, network_seconds), network_seconds)
+        elif kind in RABBIT_ONLY:
+            fault.seconds = rabbit_seconds(kind, rng)
         if kind.startswith("proxy-"):
-            fault.target = rng.choice(("postgres", "redis", "both"))
+            fault.target = rng.choice(("postgres", broker, "both"))
         faults.append(fault)
     return faults
 
 
 class Proxies:
-    """The drill's proxies in front of Postgres and Redis (``None`` where none runs)."""
+    """The drill's proxies in front of Postgres and the broker (none where none runs): one
+    for Redis, one per node of a RabbitMQ cluster; ``broker`` names the broker."""
 
-    def __init__(self, postgres: Any, redis: Any) -> None:
-        self.by_name = {"postgres": postgres, "redis": redis}
+    def __init__(self, postgres: Any, broker: Any, name: str = "redis") -> None:
+        self.broker = name
+        self.by_name: dict[str, list[Any]] = {
+            "postgres": [postgres] if postgres is not None else [],
+            name: list(broker) if isinstance(broker, list) else [broker] if broker else [],
+        }
 
     def send(self, target: str, command: str) -> str:
-        names = ("postgres", "redis") if target == "both" else (target,)
+        names = ("postgres", self.broker) if target == "both" else (target,)
         answers = []
         for name in names:
-            proxy = self.by_name.get(name)
-            answers.append(f"{name}: {proxy.command(command) if proxy else 'no proxy'}")
+            proxies = self.by_name.get(name) or []
+            said = "; ".join(proxy.command(command) for proxy in proxies) or "no proxy"
+            answers.append(f"{name}: {said}")
         return ", ".join(answers)
 
 
@@ -194,6 +221,7 @@ class Injector:
     redis: Any = None  # OwnedRedis likewise
     network: NetworkFaults | None = None  # across hosts (--hosts)
     sentinel: Any = None  # the SentinelSet (--sentinel)
+    rabbit: RabbitFaults | None = None  # the drill's RabbitMQ cluster (--transport amqp)
     wait: Callable[[float], None] = time.sleep
     done: list[Fault] = field(default_factory=list)
 
@@ -244,6 +272,10 @@ class Injector:
                 f"master killed, a new one named after {named:.1f} s; the old one back "
                 f"{fault.seconds:.1f} s later as a replica"
             )
+        if kind in RABBIT_ONLY:
+            if self.rabbit is None:
+                raise ValueError(f"{kind} needs the drill's RabbitMQ (--transport amqp)")
+            return self.rabbit.do(fault)
         if kind == "sentinel-failover":
             return f"failover forced, done in {self.sentinel.force_failover():.1f} s"
         if kind == "proxy-drop":

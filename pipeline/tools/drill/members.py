@@ -66,6 +66,7 @@ class Members:
     processes: int = 1
     threads: int = 4
     place: Callable[[Member, Sequence[str]], list[str]] | None = None  # run it on a host
+    by_kind: dict[Kind, dict[str, str]] = field(default_factory=dict)  # env of one kind only
     members: list[Member] = field(default_factory=list)
     exits: list[Exit] = field(default_factory=list)
 
@@ -101,7 +102,11 @@ class Members:
         member.incarnation += 1
         member.expected_exit = False
         stem = f"{member.name}.{member.incarnation}"
-        env = {**self.env, "PGAPPNAME": member.application_name}
+        env = {
+            **self.env,
+            **self.by_kind.get(member.kind, {}),
+            "PGAPPNAME": member.application_name,
+        }
         if member.kind == "relay":
             argv = relay_command(0, "--no-state-metrics")
         else:

@@ -163,6 +163,10 @@ class ProxyProcess:
             self.process.stdin.flush()
             return self.process.stdout.readline().decode().strip()
 
+    def stats(self) -> ProxyStats:
+        """The proxy's counters now (connections accepted, open, dropped...)."""
+        return ProxyStats(**json.loads(self.command("stats")))
+
     def close(self) -> None:
         """Close its stdin (it then exits), wait a little, then kill it."""
         with contextlib.suppress(OSError):

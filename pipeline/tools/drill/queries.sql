@@ -86,6 +86,10 @@ GROUP BY r.consumer;
 SELECT count(*) FROM {schema}.outbox
 WHERE status IN ('pending', 'publishing') AND event_type = ANY(%(event_types)s);
 
+-- name: sent_events
+-- Events the relays marked sent (every type: follow-ups too).
+SELECT count(*) FROM {schema}.outbox WHERE status = 'sent';
+
 -- name: delivery_anomalies
 -- Every (event, subscribed consumer) pair that is not cleanly done: done is one processed
 -- inbox row with exactly one effect row, or, for a poison order, a dead inbox row and none.

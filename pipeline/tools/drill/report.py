@@ -80,6 +80,11 @@ def build_report(facts: RunFacts, check: CheckResult) -> dict[str, Any]:
             }
         )
     faults = sorted(facts.faults, key=lambda f: f.started or 0.0)
+    violations += [
+        {"kind": f.kind, "count": 1, "message": f.violation, "examples": [f.target]}
+        for f in faults
+        if f.violation
+    ]
     by_kind = Counter(f.kind for f in faults)
     causes: dict[str, Counter[str]] = {}
     stages: Counter[str] = Counter()

@@ -48,6 +48,7 @@ from pipeline.tools.drill.faults import (
     HOSTS_ONLY,
     KINDS,
     OWNED_ONLY,
+    RABBIT_ONLY,
     REDIS_ALONE,
     SENTINEL_ONLY,
     Fault,
@@ -55,7 +56,7 @@ from pipeline.tools.drill.faults import (
     Proxies,
     schedule,
 )
-from pipeline.tools.drill.members import Member, Members
+from pipeline.tools.drill.members import Kind, Member, Members
 from pipeline.tools.drill.network import PROXY_KINDS, DrillHosts, NetworkFaults
 from pipeline.tools.drill.proxy import ProxyProcess
 from pipeline.tools.drill.report import (
@@ -118,12 +119,21 @@ class DrillOptions:
     hosts: bool = False
     network_seconds: float = 30.0
     sentinel: bool = False
+    transport: str = "redis"  # or "amqp": the drill's own RabbitMQ cluster
+    rabbit_nodes: int = 3
 
 
 def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
     """The fault kinds this run may inject: never a restart of a server it did not start;
-    network faults across hosts only, proxy faults only on one host."""
+    network faults across hosts only, proxy faults only on one host, Redis faults only on
+    Redis and RabbitMQ faults only on the drill's RabbitMQ cluster."""
     given = {"postgres": options.database_url is not None, "redis": options.redis_url is not None}
+    amqp = options.transport == "amqp"
+    if amqp and (options.hosts or options.sentinel or given["redis"]):
+        raise DrillError(
+            "--transport amqp runs the drill's own RabbitMQ cluster on this host: "
+            "drop --hosts/--sentinel/--redis-url"
+        )
     if options.hosts and (given["postgres"] or given["redis"]):
         raise DrillError(
             "--hosts puts the drill's own Postgres and Redis on hosts of their own: "
@@ -137,6 +147,12 @@ def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
         )
 
     def refusal(kind: str) -> str | None:
+        if amqp and kind in REDIS_ALONE | SENTINEL_ONLY:
+            return "acts on Redis, which --transport amqp replaces (use the rabbit-* kinds)"
+        if kind in RABBIT_ONLY and not amqp:
+            return "acts on the drill's RabbitMQ cluster: run with --transport amqp"
+        if kind == "rabbit-no-majority" and options.rabbit_nodes < 3:
+            return "needs three RabbitMQ nodes (--rabbit-nodes 3)"
         if kind in OWNED_ONLY and given["postgres" if kind.startswith("postgres") else "redis"]:
             return (
                 "restarts a server, which the drill does only to servers it starts itself "
@@ -201,6 +217,7 @@ class _Servers:
     redis: Any = None
     setup: dict[str, str] = field(default_factory=dict)
     sentinel: Any = None  # SentinelSet with --sentinel
+    rabbit: Any = None  # OwnedRabbit with --transport amqp
 
 
 class _Drill:
@@ -243,6 +260,8 @@ class _Drill:
             redis_namespace=self.schema,
             app_modules=APP_MODULE,
         )
+        if servers.rabbit is not None:
+            settings = settings.replace(broker_management_url=servers.rabbit.management_url)
         configure(settings)
         self.cleanup.push("reset the settings", lambda: configure(None))
         self._prepare_database(settings, servers)
@@ -262,7 +281,9 @@ class _Drill:
         options = self.options
         plan = plan_orders(self.run_id, options.events, options.poison, self.rng)
         window = len(plan) / options.rate if options.rate > 0 else len(plan) / 200.0
-        faults = schedule(self.kinds, options.faults, window, self.rng, options.network_seconds)
+        faults = schedule(
+            self.kinds, options.faults, window, self.rng, options.network_seconds, proxies.broker
+        )
         segments, skews = self._segments(faults, len(plan), window)
         injected = [f for f in faults if f.kind != "clock-skew"]
         injector = Injector(
@@ -274,6 +295,7 @@ class _Drill:
             postgres=servers.postgres,
             redis=servers.redis,
             sentinel=servers.sentinel,
+            rabbit=self._rabbit_faults(servers, proxies, members),
             wait=lambda seconds: self._wait(members, seconds),
             network=(
                 NetworkFaults(
@@ -395,7 +417,7 @@ class _Drill:
         from pipeline.tools.harness.embedded import EmbeddedServerError
 
         setup: dict[str, str] = {}
-        postgres = redis = sentinel = None
+        postgres = redis = sentinel = rabbit = None
         try:
             if options.database_url is None:
                 postgres = OwnedPostgres(self.hosts["pg"] if self.hosts else None)
@@ -411,7 +433,14 @@ class _Drill:
             else:
                 database_url = libpq_url(options.database_url)
                 setup["postgres"] = f"given {redact_url(database_url)} (never restarted)"
-            if options.sentinel:
+            if options.transport == "amqp":
+                rabbit = self._start_rabbit()
+                redis_url = rabbit.url
+                setup["rabbitmq"] = (
+                    f"the drill's own cluster of {options.rabbit_nodes} node(s) (throwaway, "
+                    "quorum queues; nodes killed, stopped and restarted by the drill)"
+                )
+            elif options.sentinel:
                 from pipeline.tools.harness.sentinel import SentinelSet
 
                 sentinel = SentinelSet()
@@ -440,7 +469,10 @@ class _Drill:
                 "--redis-url)"
             ) from None
         setup["schemas"] = f"{self.schema} (pipeline), {self.app_schema} (orders, effects)"
-        setup["redis keys"] = f"{self.schema}:*"
+        if rabbit is not None:
+            setup["queues"] = f"{self.schema}.*"
+        else:
+            setup["redis keys"] = f"{self.schema}:*"
         setup["processes"] = (
             f"{options.relays} relays, {options.workers} workers x {options.processes} "
             f"processes x {options.threads} threads, "
@@ -448,9 +480,42 @@ class _Drill:
                 f"each on a host of its own ({self.hosts.layout()})"
                 if self.hosts is not None
                 else "connected through the drill's proxies"
+                + (" (relays straight to the RabbitMQ nodes)" if rabbit is not None else "")
             )
         )
-        return _Servers(database_url, redis_url, postgres, redis, setup, sentinel)
+        return _Servers(database_url, redis_url, postgres, redis, setup, sentinel, rabbit)
+
+    def _start_rabbit(self) -> Any:
+        """The drill's own RabbitMQ cluster; its nodes' data and logs in the work directory."""
+        from pipeline.errors import BinaryNotFoundError, ServerStartError
+        from pipeline.tools.drill.rabbit import OwnedRabbit
+
+        rabbit = OwnedRabbit(self.options.rabbit_nodes, self.work_dir / "rabbitmq")
+        self.cleanup.push("stop the drill's RabbitMQ nodes", rabbit.close)
+        _say(f"starting {self.options.rabbit_nodes} RabbitMQ node(s)")
+        try:
+            rabbit.start()
+        except (BinaryNotFoundError, ServerStartError) as exc:
+            raise DrillError(f"cannot start the drill's RabbitMQ: {exc}") from None
+        return rabbit
+
+    def _rabbit_faults(self, servers: _Servers, proxies: Proxies, members: Members) -> Any:
+        if servers.rabbit is None:
+            return None
+        from pipeline.tools.drill.rabbit import RabbitFaults
+
+        def sent() -> int:
+            return int(self._query(servers.database_url, "sent_events")[0][0])
+
+        return RabbitFaults(
+            servers.rabbit,
+            self.schema,
+            self.rng,
+            sent,
+            lambda seconds: proxies.send(proxies.broker, f"stall {seconds:.2f}"),
+            lambda: sum(proxy.stats().open for proxy in proxies.by_name[proxies.broker]),
+            lambda seconds: self._wait(members, seconds),
+        )
 
     def _prepare_database(self, settings: Settings, servers: _Servers) -> None:
         from pipeline.db.connect import make_engine
@@ -511,6 +576,9 @@ class _Drill:
         self.cleanup.push("close the proxies' log", log.close)
         postgres = self._proxy(*address(servers.database_url, 5432), log)
         redis = None
+        if servers.rabbit is not None:  # one per node: the workers' way to the cluster
+            nodes = [self._proxy(*address(url, 5672), log) for url in servers.rabbit.node_urls()]
+            return Proxies(postgres, nodes, "rabbitmq")
         if servers.redis_url.startswith("unix://"):
             self.notes.append("Redis is reached over a unix socket: no proxy in front of it")
         elif servers.sentinel is not None:
@@ -563,12 +631,13 @@ class _Drill:
         from pipeline.tools.drill.servers import through_proxy
 
         options = self.options
-        postgres_proxy = proxies.by_name["postgres"]
-        redis_proxy = proxies.by_name["redis"]
+        postgres_proxy = next(iter(proxies.by_name["postgres"]), None)
+        broker_proxies = proxies.by_name[proxies.broker]
+        redis_proxy = broker_proxies[0] if broker_proxies and servers.rabbit is None else None
         env = {
             k: v
             for k, v in os.environ.items()
-            if k not in ("PROMETHEUS_MULTIPROC_DIR", "PGAPPNAME")
+            if k not in ("PROMETHEUS_MULTIPROC_DIR", "PGAPPNAME", "PIPELINE_BROKER_URL")
         }
         for name, value in PROCESS_DEFAULTS.items():
             env.setdefault(name, value)
@@ -589,6 +658,15 @@ class _Drill:
         )
         env[API_URL_ENV] = api_url
         env[APP_SCHEMA_ENV] = self.app_schema
+        by_kind: dict[Kind, dict[str, str]] = {}
+        if servers.rabbit is not None:
+            env["PIPELINE_BROKER_MANAGEMENT_URL"] = servers.rabbit.management_url
+            by_kind["worker"] = {
+                "PIPELINE_REDIS_URL": ";".join(
+                    through_proxy(url, proxy.port)
+                    for url, proxy in zip(servers.rabbit.node_urls(), broker_proxies, strict=True)
+                )
+            }
         servers.setup["settings"] = ", ".join(f"{k}={env[k]}" for k in PROCESS_DEFAULTS)
         members = Members(
             self.fleet,
@@ -600,6 +678,7 @@ class _Drill:
             processes=options.processes,
             threads=options.threads,
             place=self._place if self.hosts is not None else None,
+            by_kind=by_kind,
         )
         self.cleanup.push(
             "stop the relays and workers", lambda: members.stop_all(self.cleanup.remaining)

@@ -5,8 +5,10 @@ management ports (free ports picked at start), data directory and configuration;
 share one Erlang cookie (a ``HOME`` of the cluster's own), so they can cluster and
 ``rabbitmqctl`` can reach them. Nodes 2..N join node 1. A node can be killed
 (``SIGKILL`` of its process group), stopped and started again with its data, which is
-what the fault tests do. The machine's own RabbitMQ (``rabbit@localhost`` on 5672) is
-never touched: only the shared ``epmd`` name server is used.
+what the fault tests do. A watchdog process kills the nodes (and deletes the cluster's
+directory, if it made it) should the owner die without cleaning up. The machine's own
+RabbitMQ (``rabbit@localhost`` on 5672) is never touched: only the shared ``epmd`` name
+server is used.
 
 The server scripts are run directly (``/usr/lib/rabbitmq/bin``), not through Debian's
 ``/usr/sbin`` wrappers, which switch to the ``rabbitmq`` account and its fixed paths.
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from pipeline.errors import BinaryNotFoundError, ServerStartError
 from pipeline.tools.harness.server import HOST, free_port
+from pipeline.tools.harness.watchdog import Watchdog
 
 SCRIPT_DIRS = (Path("/usr/lib/rabbitmq/bin"), Path("/usr/local/lib/rabbitmq/bin"))
 START_TIMEOUT = 180.0
@@ -84,6 +87,7 @@ class RabbitCluster:
             for i in range(1, size + 1)
         ]
         self._bin: Path | None = None
+        self._watchdog = Watchdog()
 
     # -- URLs -------------------------------------------------------------------------------
     @property
@@ -106,6 +110,7 @@ class RabbitCluster:
 
     def start(self, timeout: float = START_TIMEOUT) -> None:
         self._bin = find_rabbitmq_bin()
+        self._watchdog.start()
         self.directory.mkdir(parents=True, exist_ok=True)
         cookie = self.directory / ".erlang.cookie"
         if not cookie.exists():
@@ -179,6 +184,12 @@ class RabbitCluster:
             start_new_session=True,
         )
         log.close()
+        self._guard()
+
+    def _guard(self) -> None:
+        """Tell the watchdog which nodes run now (and what to delete) should the owner die."""
+        pids = [node.process.pid for node in self.nodes if node.running and node.process]
+        self._watchdog.guard(kill=pids, remove=[self.directory] if self._owns_dir else [])
 
     def ctl(self, node: RabbitNode, *args: str, timeout: float = 120.0) -> str:
         """``rabbitmqctl -n <node> args...``; raises :class:`ServerStartError` on failure."""
@@ -229,6 +240,7 @@ class RabbitCluster:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(node.process.pid, signal.SIGKILL)
         node.process.wait(timeout=30)
+        self._guard()
 
     def stop(self, index: int, timeout: float = 60.0) -> None:
         """Stop node ``index`` cleanly (``rabbitmqctl stop``), killing it if that fails."""
@@ -257,3 +269,5 @@ class RabbitCluster:
                 self.kill(node.index)
         if self._owns_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
+        self._watchdog.guard()  # nothing left to undo
+        self._watchdog.close()

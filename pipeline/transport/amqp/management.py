@@ -95,6 +95,15 @@ class Management:
         )
         return found
 
+    def queue_traffic(self) -> list[dict[str, Any]]:
+        """The virtual host's queues with their leader, depth and publish rate (per second,
+        ``message_stats.publish_details.rate``; absent on a queue nothing was published to)."""
+        columns = "name,messages,leader,message_stats.publish_details.rate"
+        found: list[dict[str, Any]] = self._call(
+            "GET", f"/api/queues/{quote(self.vhost, safe='')}?columns={columns}"
+        )
+        return found
+
     def delete_queue(self, name: str) -> None:
         self._call("DELETE", f"/api/queues/{quote(self.vhost, safe='')}/{quote(name, safe='')}")
 
