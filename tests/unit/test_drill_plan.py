@@ -80,6 +80,30 @@ def test_on_rabbitmq_the_redis_kinds_give_way_to_the_rabbitmq_ones():
     single = allowed_kinds(DrillOptions(transport="amqp", rabbit_nodes=1))
     assert set(amqp) - set(single) == {"rabbit-no-majority"}
     assert not any(k.startswith("rabbit-") for k in allowed_kinds(DrillOptions()))
+    for options, refusal in (
+        (
+            DrillOptions(transport="amqp", fault_kinds=("sentinel-failover",)),
+            "fault kind 'sentinel-failover' acts on Redis, which --transport amqp replaces "
+            "(use the rabbit-* kinds)",
+        ),
+        (
+            DrillOptions(fault_kinds=("rabbit-kill-node",)),
+            "fault kind 'rabbit-kill-node' acts on the drill's RabbitMQ cluster: run with "
+            "--transport amqp",
+        ),
+        (
+            DrillOptions(transport="amqp", rabbit_nodes=1, fault_kinds=("rabbit-no-majority",)),
+            "fault kind 'rabbit-no-majority' needs three RabbitMQ nodes (--rabbit-nodes 3)",
+        ),
+        (
+            DrillOptions(transport="amqp", hosts=True),
+            "--transport amqp runs the drill's own RabbitMQ cluster on this host: "
+            "drop --hosts/--sentinel/--redis-url",
+        ),
+    ):
+        with pytest.raises(DrillError) as refused:
+            allowed_kinds(options)
+        assert str(refused.value) == refusal
 
 
 def test_rabbitmq_faults_last_as_planned_and_proxy_faults_name_the_broker():
