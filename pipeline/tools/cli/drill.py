@@ -112,13 +112,14 @@ def drill(**options: object) -> None:
     """Run orders through a real pipeline while injecting faults, then check its guarantees.
 
     Starts relays, workers and a payment API of its own, and (unless --database-url /
-    --redis-url) throwaway Postgres and Redis servers. While orders flow it kills relays
-    and workers, terminates their database connections, restarts the servers it owns,
-    drops and stalls connections through its proxies and places orders from a producer
-    with a shifted clock. Then it checks that every event was processed by every
-    subscribed consumer exactly once, that the API charged each order once, that ordered
-    consumers kept each key's order, that only the poison orders were dead-lettered, and
-    that the backlog was back to zero within --recovery-timeout. Exits 1 on any violation.
+    --redis-url) throwaway Postgres and Redis servers (--transport amqp: a RabbitMQ
+    cluster). While orders flow it kills relays and workers, terminates their database
+    connections, restarts the servers it owns, drops and stalls connections through its
+    proxies and places orders from a producer with a shifted clock. Then it checks that
+    every event was processed by every subscribed consumer exactly once, that the API
+    charged each order once, that ordered consumers kept each key's order, that only the
+    poison orders were dead-lettered, and that the backlog was back to zero within
+    --recovery-timeout. Exits 1 on any violation.
     """
     from pipeline.tools.drill.runner import DrillOptions, run_drill
 

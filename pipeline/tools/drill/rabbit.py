@@ -157,16 +157,18 @@ class RabbitFaults:
                 f"were down ({fault.seconds:.1f} s window)"
             )
         returned = time.monotonic()
-        cluster.restart(first)
-        back = time.monotonic() - returned
-        deadline = time.monotonic() + RESUME_TIMEOUT
-        resumed = None
-        while time.monotonic() < deadline:
-            if self.sent() > after:
-                resumed = time.monotonic() - returned
-                break
-            self.wait(0.5)
-        cluster.restart(second)
+        try:
+            cluster.restart(first)
+            back = time.monotonic() - returned
+            deadline = time.monotonic() + RESUME_TIMEOUT
+            resumed = None
+            while time.monotonic() < deadline:
+                if self.sent() > after:
+                    resumed = time.monotonic() - returned
+                    break
+                self.wait(0.5)
+        finally:  # whatever failed above, the rest of the run gets its third node back
+            cluster.restart(second)
         if resumed is None:
             fault.violation = (
                 f"nothing marked sent within {RESUME_TIMEOUT:g} s of a majority returning"

@@ -2,8 +2,10 @@
 
 1. Servers: throwaway Postgres and Redis of its own (which it may restart), or the ones
    given with ``--database-url``/``--redis-url`` (staging: never restarted; the drill
-   works in a schema and a Redis namespace of its own, dropped at the end).
-2. Proxies in front of both, through which every relay and worker connects.
+   works in a schema and a Redis namespace of its own, dropped at the end). With
+   ``--transport amqp`` a RabbitMQ cluster of its own instead of Redis (:mod:`.rabbit`).
+2. Proxies in front of both, through which every relay and worker connects (on RabbitMQ,
+   one per node, for the workers only).
 3. The payment/e-mail API (``python -m pipeline.tools.harness.payment_api``), relays and workers
    (``pipeline relay``/``pipeline worker`` with ``PIPELINE_APP_MODULES=pipeline.tools.drill.app``),
    all children of one :class:`~pipeline.tools.harness.fleet.Fleet` that end with the drill
