@@ -142,10 +142,10 @@ def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
             "drop --database-url/--redis-url"
         )
 
-    if options.sentinel and (options.hosts or given["redis"]):
+    if options.sentinel and given["redis"]:
         raise DrillError(
-            "--sentinel starts the drill's own Redis master, replica and sentinels on this "
-            "host: drop --hosts/--redis-url"
+            "--sentinel starts the drill's own Redis master, replica and sentinels: "
+            "drop --redis-url"
         )
 
     def refusal(kind: str) -> str | None:
@@ -445,13 +445,14 @@ class _Drill:
             elif options.sentinel:
                 from pipeline.tools.harness.sentinel import SentinelSet
 
-                sentinel = SentinelSet()
+                sentinel = SentinelSet(self.hosts["broker"] if self.hosts else None)
                 self.cleanup.push("stop the drill's Redis and sentinels", sentinel.close)
                 sentinel.start()
                 redis_url = sentinel.url
                 setup["redis"] = (
                     "the drill's own master, replica and three sentinels (throwaway, no "
                     "persistence; failed over by the drill)"
+                    + (" on the broker host" if self.hosts else "")
                 )
             elif options.redis_url is None:
                 redis = OwnedRedis(self.hosts["broker"] if self.hosts else None)

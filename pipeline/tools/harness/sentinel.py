@@ -1,5 +1,6 @@
 """A Redis set watched by Sentinel, throwaway, for tests and the drill: a master, a replica and
-three sentinels on 127.0.0.1 (quorum two), failing over within a few seconds.
+three sentinels on 127.0.0.1, or all on one host of :mod:`~pipeline.tools.harness.hosts`
+(quorum two), failing over within a few seconds.
 
 :class:`SentinelSet` starts them, names the URL the pipeline takes
 (``redis+sentinel://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3/<service>``), tells which node
@@ -17,8 +18,8 @@ from collections.abc import Callable
 import redis
 
 from pipeline.errors import ServerStartError
+from pipeline.tools.harness.hosts import Host
 from pipeline.tools.harness.redis_server import EmbeddedRedis
-from pipeline.tools.harness.server import HOST
 
 SERVICE = "pipeline"
 DOWN_AFTER_MS = 1000
@@ -32,8 +33,8 @@ class EmbeddedSentinel(EmbeddedRedis):
     _kind = "Sentinel"
     _log_name = "sentinel.log"
 
-    def __init__(self, master_port: int, quorum: int = 2) -> None:
-        super().__init__()
+    def __init__(self, master_port: int, quorum: int = 2, host: Host | None = None) -> None:
+        super().__init__(host=host)
         self.master_port = master_port
         self.quorum = quorum
 
@@ -45,7 +46,7 @@ class EmbeddedSentinel(EmbeddedRedis):
                 f"port {self.port}\n"
                 f"bind {self.address}\n"
                 f"dir {self._data_dir}\n"
-                f"sentinel monitor {SERVICE} {HOST} {self.master_port} {self.quorum}\n"
+                f"sentinel monitor {SERVICE} {self.address} {self.master_port} {self.quorum}\n"
                 f"sentinel down-after-milliseconds {SERVICE} {DOWN_AFTER_MS}\n"
                 f"sentinel failover-timeout {SERVICE} {FAILOVER_TIMEOUT_MS}\n"
                 f"sentinel parallel-syncs {SERVICE} 1\n"
@@ -59,36 +60,43 @@ class EmbeddedSentinel(EmbeddedRedis):
 class ReplicaRedis(EmbeddedRedis):
     """A Redis that starts as a replica of ``master_port`` (persistence off, as in tests)."""
 
-    def __init__(self, master_port: int) -> None:
-        super().__init__()
+    def __init__(self, master_port: int, host: Host | None = None) -> None:
+        super().__init__(host=host)
         self.master_port = master_port
 
     def _command(self) -> list[str]:
-        return [*super()._command(), "--replicaof", HOST, str(self.master_port)]
+        return [*super()._command(), "--replicaof", self.address, str(self.master_port)]
 
 
 class SentinelSet:
-    """Master, replica and three sentinels (see the module docstring)."""
+    """Master, replica and three sentinels (see the module docstring); with ``host`` all five
+    run on that host (the drill across hosts puts them on its broker host)."""
 
-    def __init__(self) -> None:
-        self.nodes: list[EmbeddedRedis] = [EmbeddedRedis()]
+    def __init__(self, host: Host | None = None) -> None:
+        self.host = host
+        self.nodes: list[EmbeddedRedis] = [EmbeddedRedis(host=host)]
         self.sentinels: list[EmbeddedSentinel] = []
 
     @property
+    def address(self) -> str:
+        """The address every node and sentinel listens on."""
+        return self.nodes[0].address
+
+    @property
     def url(self) -> str:
-        hosts = ",".join(f"{HOST}:{s.port}" for s in self.sentinels)
+        hosts = ",".join(f"{self.address}:{s.port}" for s in self.sentinels)
         return f"redis+sentinel://{hosts}/{SERVICE}/0"
 
     def start(self) -> SentinelSet:
         try:
             first = self.nodes[0]
             first.start()
-            replica = ReplicaRedis(first.port)
+            replica = ReplicaRedis(first.port, self.host)
             self.nodes.append(replica)
             replica.start()
             self._wait(lambda: self._replicas_of(first.port) >= 1, "the replica to sync")
             for _ in range(3):
-                sentinel = EmbeddedSentinel(first.port)
+                sentinel = EmbeddedSentinel(first.port, host=self.host)
                 self.sentinels.append(sentinel)
                 sentinel.start()
             self._wait(self._sentinels_agree, "the sentinels to find each other and the replica")
@@ -108,7 +116,7 @@ class SentinelSet:
     def master_port(self) -> int:
         for sentinel in self.sentinels:
             try:
-                with redis.Redis(host=HOST, port=sentinel.port, socket_timeout=2) as client:
+                with redis.Redis(host=self.address, port=sentinel.port, socket_timeout=2) as client:
                     address = client.sentinel_get_master_addr_by_name(SERVICE)
             except redis.RedisError:
                 continue
@@ -129,7 +137,7 @@ class SentinelSet:
         old_port = self.master_port()
         self._wait(self._good_replica, "a replica the sentinels may promote")
         began = time.monotonic()
-        with redis.Redis(host=HOST, port=self.sentinels[0].port, socket_timeout=5) as client:
+        with redis.Redis(host=self.address, port=self.sentinels[0].port, socket_timeout=5) as client:
             client.execute_command("SENTINEL", "FAILOVER", SERVICE)
         self._wait(lambda: self._promoted(old_port), "a forced failover")
         return time.monotonic() - began
@@ -159,7 +167,7 @@ class SentinelSet:
             return False
         if port == old_port:
             return False
-        with redis.Redis(host=HOST, port=port, socket_timeout=2) as client:
+        with redis.Redis(host=self.address, port=port, socket_timeout=2) as client:
             try:
                 return bool(client.info("replication").get("role") == "master")
             except redis.RedisError:
@@ -167,7 +175,7 @@ class SentinelSet:
 
     def _replicas_of(self, port: int) -> int:
         try:
-            with redis.Redis(host=HOST, port=port, socket_timeout=2) as client:
+            with redis.Redis(host=self.address, port=port, socket_timeout=2) as client:
                 info = client.info("replication")
         except redis.RedisError:
             return 0
@@ -183,7 +191,7 @@ class SentinelSet:
         """Every sentinel lists a replica in sync with the master (one it may promote)."""
         for sentinel in self.sentinels:
             try:
-                with redis.Redis(host=HOST, port=sentinel.port, socket_timeout=2) as client:
+                with redis.Redis(host=self.address, port=sentinel.port, socket_timeout=2) as client:
                     replicas = client.sentinel_slaves(SERVICE)
             except redis.RedisError:
                 return False
@@ -196,7 +204,7 @@ class SentinelSet:
 
     def _sentinels_agree(self) -> bool:
         try:
-            with redis.Redis(host=HOST, port=self.sentinels[0].port, socket_timeout=2) as client:
+            with redis.Redis(host=self.address, port=self.sentinels[0].port, socket_timeout=2) as client:
                 master = client.sentinel_master(SERVICE)
         except redis.RedisError:
             return False
