@@ -13,6 +13,7 @@ from tests.chaos.test_drill import (
     assert_orders_flowed_through_every_fault,
     drill,
 )
+from tests.support import SOAK
 
 pytestmark = pytest.mark.chaos
 
@@ -38,4 +39,27 @@ def test_across_hosts_every_network_fault_keeps_every_guarantee():
     assert report["violations"] == [], render_text(report)
     assert report["api"]["charges"]["total"] == 300
     assert report["dead_letters"] == {"expected": 6, "found": 6, "unexpected": 0}
+    assert result.returncode == 0
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(not SOAK, reason="about a minute; PIPELINE_SOAK=1 runs it")
+@pytest.mark.timeout(600)
+def test_across_hosts_a_sentinel_failover_and_a_partition_in_one_drill():
+    """``--hosts --sentinel``: the master, replica and sentinels on the broker host, so a
+    partition of a worker host and both failover kinds happen in the same run."""
+    problem = host_network_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    kinds = ("partition-worker-broker", "sentinel-kill-master", "sentinel-failover")
+    result, report = drill(
+        "--hosts", "--sentinel", "--events", "300", "--rate", "40", "--faults", "3",
+        "--fault-kinds", ",".join(kinds), "--network-seconds", "5",
+        "--seed", "5", "--recovery-timeout", "120",
+    )  # fmt: skip
+
+    assert_every_kind_injected(report, kinds)
+    assert "on the broker host" in report["setup"]["redis"]
+    assert report["violations"] == [], render_text(report)
+    assert report["api"]["charges"]["total"] == 300
     assert result.returncode == 0

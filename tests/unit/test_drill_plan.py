@@ -10,9 +10,12 @@ import pytest
 from pipeline.tools.drill.check import Undelivered, mark_held
 from pipeline.tools.drill.faults import (
     AMQP_KINDS,
+    HOSTS_ONLY,
     KINDS,
     ONE_HOST_KINDS,
     OWNED_ONLY,
+    REDIS_ALONE,
+    SENTINEL_ONLY,
     STAGING_KINDS,
     Fault,
     schedule,
@@ -116,6 +119,16 @@ def test_rabbitmq_faults_last_as_planned_and_proxy_faults_name_the_broker():
     assert all(3.0 <= f.seconds <= 12.0 for f in by_kind["rabbit-stall"])
     targets = {f.target for f in faults if f.kind.startswith("proxy-")}
     assert targets == {"postgres", "rabbitmq", "both"}
+
+
+def test_hosts_and_sentinel_together_allow_the_network_and_the_sentinel_kinds():
+    both = allowed_kinds(DrillOptions(hosts=True, sentinel=True))
+    assert set(both) >= HOSTS_ONLY | SENTINEL_ONLY
+    assert not set(both) & REDIS_ALONE
+    chosen = ("partition-worker-broker", "sentinel-failover")
+    assert allowed_kinds(DrillOptions(hosts=True, sentinel=True, fault_kinds=chosen)) == chosen
+    with pytest.raises(DrillError, match="--sentinel starts the drill's own Redis"):
+        allowed_kinds(DrillOptions(sentinel=True, redis_url="redis://h:6379/0"))
 
 
 def test_the_plan_numbers_each_accounts_orders_in_sequence_with_poison_among_them():

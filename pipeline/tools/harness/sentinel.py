@@ -116,7 +116,7 @@ class SentinelSet:
     def master_port(self) -> int:
         for sentinel in self.sentinels:
             try:
-                with redis.Redis(host=self.address, port=sentinel.port, socket_timeout=2) as client:
+                with self._client(sentinel.port, 2) as client:
                     address = client.sentinel_get_master_addr_by_name(SERVICE)
             except redis.RedisError:
                 continue
@@ -137,7 +137,7 @@ class SentinelSet:
         old_port = self.master_port()
         self._wait(self._good_replica, "a replica the sentinels may promote")
         began = time.monotonic()
-        with redis.Redis(host=self.address, port=self.sentinels[0].port, socket_timeout=5) as client:
+        with self._client(self.sentinels[0].port, 5) as client:
             client.execute_command("SENTINEL", "FAILOVER", SERVICE)
         self._wait(lambda: self._promoted(old_port), "a forced failover")
         return time.monotonic() - began
@@ -160,6 +160,9 @@ class SentinelSet:
         self.close()
 
     # -- internals ----------------------------------------------------------------------------
+    def _client(self, port: int, timeout: float) -> redis.Redis:
+        return redis.Redis(host=self.address, port=port, socket_timeout=timeout)
+
     def _promoted(self, old_port: int) -> bool:
         try:
             port = self.master_port()
@@ -167,7 +170,7 @@ class SentinelSet:
             return False
         if port == old_port:
             return False
-        with redis.Redis(host=self.address, port=port, socket_timeout=2) as client:
+        with self._client(port, 2) as client:
             try:
                 return bool(client.info("replication").get("role") == "master")
             except redis.RedisError:
@@ -175,7 +178,7 @@ class SentinelSet:
 
     def _replicas_of(self, port: int) -> int:
         try:
-            with redis.Redis(host=self.address, port=port, socket_timeout=2) as client:
+            with self._client(port, 2) as client:
                 info = client.info("replication")
         except redis.RedisError:
             return 0
@@ -191,7 +194,7 @@ class SentinelSet:
         """Every sentinel lists a replica in sync with the master (one it may promote)."""
         for sentinel in self.sentinels:
             try:
-                with redis.Redis(host=self.address, port=sentinel.port, socket_timeout=2) as client:
+                with self._client(sentinel.port, 2) as client:
                     replicas = client.sentinel_slaves(SERVICE)
             except redis.RedisError:
                 return False
@@ -204,7 +207,7 @@ class SentinelSet:
 
     def _sentinels_agree(self) -> bool:
         try:
-            with redis.Redis(host=self.address, port=self.sentinels[0].port, socket_timeout=2) as client:
+            with self._client(self.sentinels[0].port, 2) as client:
                 master = client.sentinel_master(SERVICE)
         except redis.RedisError:
             return False
