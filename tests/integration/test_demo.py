@@ -39,6 +39,10 @@ def demo_command(*args: str) -> list[str]:
 def clean_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    # Any free ports, not the defaults 9464/9465: relays and workers of tests running in
+    # parallel take those, and a port taken between the demo's choice and its child's bind
+    # leaves that child without an endpoint (a Prometheus target that never comes up).
+    env.update(PIPELINE_METRICS_PORT="0", PIPELINE_WORKER_METRICS_PORT="0")
     return env
 
 
