@@ -44,7 +44,8 @@ def tool(name: str) -> str:
     found = shutil.which(name)
     if found:
         return found
-    message = f"{name} is not installed (Debian package prometheus: apt-get install prometheus)"
+    package = "prometheus-alertmanager" if name == "amtool" else "prometheus"
+    message = f"{name} is not installed (Debian package {package}: apt-get install {package})"
     if os.environ.get("CI"):
         pytest.fail(message)
     pytest.skip(message)
