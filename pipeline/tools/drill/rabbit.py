@@ -28,7 +28,7 @@ from typing import Any
 
 from pipeline.errors import ServiceUnavailableError
 from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
-from pipeline.transport.amqp.broker import physical_name
+from pipeline.transport.amqp.broker import is_dead_letter_queue, physical_name
 from pipeline.transport.amqp.management import Management
 
 RABBIT_KINDS = ("rabbit-kill-node", "rabbit-restart-node", "rabbit-no-majority", "rabbit-stall")
@@ -43,7 +43,6 @@ RABBIT_DESCRIPTIONS = {
 MAJORITY_GRACE_SECONDS = 3.0  # a batch confirmed just before the loss may still be marking
 RESUME_TIMEOUT = 180.0
 CONNECTED_TIMEOUT = 30.0  # a stall waits this long for the workers to be connected
-DEAD_LETTER_SUFFIX = ".XQ"  # dead letters only pile up there: not the flow's busiest
 
 
 def rabbit_seconds(kind: str, rng: random.Random) -> float:
@@ -196,7 +195,7 @@ class RabbitFaults:
                 q
                 for q in listed
                 if q["name"].startswith(prefix)
-                and not q["name"].endswith(DEAD_LETTER_SUFFIX)
+                and not is_dead_letter_queue(q["name"])  # dead letters pile up: not the flow
                 and q.get("leader")
             ]
             if not ours:

@@ -62,6 +62,11 @@ def physical_name(namespace: str, queue_name: str) -> str:
     return f"{namespace}.{queue_name}"
 
 
+def is_dead_letter_queue(name: str) -> bool:
+    """Whether a server queue name is a Dramatiq dead-letter queue (``<queue>.XQ``)."""
+    return name.endswith(xq_name(""))
+
+
 def queue_arguments(namespace: str, canonical: str) -> dict[str, Any]:
     """The arguments of a consumer queue and its delay queue: quorum, rejects to ``.XQ``."""
     return {
