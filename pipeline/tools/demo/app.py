@@ -149,13 +149,9 @@ def reserve_stock(event: ReceivedEvent, ctx: HandlerContext) -> None:
 def send_confirmation(event: ReceivedEvent, ctx: HandlerContext) -> None:
     """Send one confirmation e-mail per order (with a step key, like multi-call handlers)."""
     data = event.data
+    api_url = demo_config().api_url
     message_id = orders.send_email(
-        ctx,
-        demo_config().api_url,
-        CONFIRMATION_STEP,
-        data,
-        to=f"{data['customer']}@example.com",
-        template="order-confirmed",
+        ctx, api_url, CONFIRMATION_STEP, data, data["customer"], "order-confirmed"
     )
     params = {"run": data["run"], "order_id": data["order_id"], "message_id": message_id}
     _execute(ctx, "record_confirmation", params)

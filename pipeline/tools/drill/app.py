@@ -140,12 +140,6 @@ def ship(event: ReceivedEvent, ctx: HandlerContext) -> None:
 def notify(event: ReceivedEvent, ctx: HandlerContext) -> None:
     """Send one shipping e-mail per order (with a step key, like multi-call handlers)."""
     data = event.data
-    message_id = orders.send_email(
-        ctx,
-        drill_config().api_url,
-        EMAIL_STEP,
-        data,
-        to=f"{data['account']}@example.com",
-        template="order-shipped",
-    )
+    api_url = drill_config().api_url
+    message_id = orders.send_email(ctx, api_url, EMAIL_STEP, data, data["account"], "order-shipped")
     _record(ctx, event, data, ordered=False, ref=message_id)

@@ -88,9 +88,11 @@ def charge(ctx: HandlerContext, api_url: str, order: dict[str, Any], customer: s
 
 
 def send_email(
-    ctx: HandlerContext, api_url: str, step: str, order: dict[str, Any], to: str, template: str
+    ctx: HandlerContext, api_url: str, step: str, order: dict[str, Any], user: str, template: str
 ) -> str:
-    """Send one e-mail per order (a step key, like multi-call handlers); the message id."""
+    """Send one e-mail per order to ``user`` at example.com (a step key, like multi-call
+    handlers); the message id."""
+    to = f"{user}@example.com"
     body = {"run": order["run"], "order_id": order["order_id"], "to": to, "template": template}
     response = idempotent_post(http_client(), api_url + EMAILS_PATH, ctx, step=step, json=body)
     return str(api_result(response)["id"])
