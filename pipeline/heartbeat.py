@@ -7,6 +7,7 @@ has none an operator can read), so each worker process keeps a row of its own in
 (:mod:`pipeline.db.stores.heartbeats`): refreshed every ``HEARTBEAT_SECONDS`` by a
 thread, busy while a message is in hand, removed when the process stops cleanly. A
 paused or stuck process stops refreshing (stale), a killed one leaves its row (gone).
+Each beat also measures the host's clock against the database's (``clock_offset``).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class WorkerHeartbeat(Middleware):
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection[Any] | None = None
         self._failing = False
+        self.clock_offset: float | None = None  # this host's clock minus the database's
 
     # -- Dramatiq hooks ---------------------------------------------------------------------
     def after_worker_boot(self, broker: Any, worker: Any) -> None:
@@ -84,8 +86,13 @@ class WorkerHeartbeat(Middleware):
                 self._conn = connect(self.settings, autocommit=True, connect_timeout=5)
             with self._lock:
                 busy = self._in_hand > 0
-            self.store.heartbeat(
-                self._conn, self.worker_id, busy, socket.gethostname(), os.getpid()
+            self.clock_offset = self.store.heartbeat(
+                self._conn,
+                self.worker_id,
+                busy,
+                socket.gethostname(),
+                os.getpid(),
+                self.clock_offset,
             )
         except (psycopg.Error, PipelineError) as exc:
             self._close()

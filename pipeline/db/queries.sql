@@ -87,26 +87,33 @@ SELECT EXISTS (
 );
 
 -- name: relay_heartbeat
-INSERT INTO {schema}.relay_state (relay_id, busy, heartbeat_at, host, pid)
-VALUES (%(process_id)s, %(busy)s, clock_timestamp(), %(host)s, %(pid)s)
+-- Returns the database's clock_timestamp(): the process measures its clock offset by it.
+INSERT INTO {schema}.relay_state (relay_id, busy, heartbeat_at, host, pid, clock_offset)
+VALUES (%(process_id)s, %(busy)s, clock_timestamp(), %(host)s, %(pid)s, %(clock_offset)s)
 ON CONFLICT (relay_id) DO UPDATE
-SET busy = excluded.busy, heartbeat_at = excluded.heartbeat_at;
+SET busy = excluded.busy, heartbeat_at = excluded.heartbeat_at,
+    clock_offset = coalesce(excluded.clock_offset, relay_state.clock_offset)
+RETURNING extract(epoch FROM clock_timestamp())::float8;
 
 -- name: relay_forget
 DELETE FROM {schema}.relay_state WHERE relay_id = %(process_id)s;
 
 -- name: worker_heartbeat
-INSERT INTO {schema}.worker_state (worker_id, busy, heartbeat_at, host, pid)
-VALUES (%(process_id)s, %(busy)s, clock_timestamp(), %(host)s, %(pid)s)
+-- Returns the database's clock_timestamp(): the process measures its clock offset by it.
+INSERT INTO {schema}.worker_state (worker_id, busy, heartbeat_at, host, pid, clock_offset)
+VALUES (%(process_id)s, %(busy)s, clock_timestamp(), %(host)s, %(pid)s, %(clock_offset)s)
 ON CONFLICT (worker_id) DO UPDATE
-SET busy = excluded.busy, heartbeat_at = excluded.heartbeat_at;
+SET busy = excluded.busy, heartbeat_at = excluded.heartbeat_at,
+    clock_offset = coalesce(excluded.clock_offset, worker_state.clock_offset)
+RETURNING extract(epoch FROM clock_timestamp())::float8;
 
 -- name: worker_forget
 DELETE FROM {schema}.worker_state WHERE worker_id = %(process_id)s;
 
 -- name: worker_states
 SELECT worker_id, host, pid, busy,
-       extract(epoch FROM clock_timestamp() - heartbeat_at)::float8 AS heartbeat_age
+       extract(epoch FROM clock_timestamp() - heartbeat_at)::float8 AS heartbeat_age,
+       clock_offset
 FROM {schema}.worker_state
 ORDER BY host, pid;
 
@@ -139,7 +146,8 @@ GROUP BY stage;
 
 -- name: relay_states
 SELECT relay_id, host, pid, busy,
-       extract(epoch FROM clock_timestamp() - heartbeat_at)::float8 AS heartbeat_age
+       extract(epoch FROM clock_timestamp() - heartbeat_at)::float8 AS heartbeat_age,
+       clock_offset
 FROM {schema}.relay_state
 ORDER BY relay_id;
 

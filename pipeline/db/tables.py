@@ -17,6 +17,7 @@ from sqlalchemy import (
     CheckConstraint,
     Column,
     DateTime,
+    Double,
     Identity,
     Index,
     Integer,
@@ -221,6 +222,9 @@ def _heartbeat_table(name: str, id_column: str) -> Table:
         Column("heartbeat_at", DateTime(timezone=True), nullable=False, server_default=_now),
         Column("host", Text, nullable=False),
         Column("pid", Integer, nullable=False),
+        # The process's clock minus the database's, in seconds, as its last heartbeat
+        # measured it (NULL: not measured yet).
+        Column("clock_offset", Double),
     )
 
 

@@ -156,6 +156,12 @@ relay_busy = Gauge(
     "1 while the relay polls busily (producers skip NOTIFY while a relay is busy).",
     multiprocess_mode="max",
 )
+relay_clock_offset = Gauge(
+    "pipeline_relay_clock_offset_seconds",
+    "The relay host's clock minus the database's, measured at each heartbeat (positive: "
+    "the host is ahead); 0 until the first heartbeat.",
+    multiprocess_mode="mostrecent",
+)
 relay_listener_reconnects = Counter(
     "pipeline_relay_listener_reconnects_total",
     "Times the relay re-established its LISTEN connection.",

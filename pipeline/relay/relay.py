@@ -22,10 +22,11 @@ only dispatches actors; ``mode="inline"`` never does.
 
 An idle relay refreshes its heartbeat in ``relay_state`` every
 ``IDLE_HEARTBEAT_INTERVAL`` seconds (a busy one every second), so ``pipeline status``
-tells a live idle relay from a stale or gone one. Between cycles the loop also commits
-the canary, runs the delivery ledger's sweep (``ledger.py``) and counts the backlog
-against its warning threshold (``backlog.py``); the janitor (``janitor.py``) prunes on a
-thread of its own.
+tells a live idle relay from a stale or gone one; each heartbeat also measures this
+host's clock against the database's (``pipeline_relay_clock_offset_seconds``). Between
+cycles the loop also commits the canary, runs the delivery ledger's sweep
+(``ledger.py``) and counts the backlog against its warning threshold (``backlog.py``);
+the janitor (``janitor.py``) prunes on a thread of its own.
 """
 
 from __future__ import annotations
@@ -189,6 +190,7 @@ class Relay:
         self.busy = False
         self.busy_spells = 0  # times the relay went busy
         self._last_heartbeat = 0.0
+        self.clock_offset: float | None = None  # this host's clock minus the database's
         self._conn: psycopg.Connection[Any] | None = None
         self.cycles = 0
         self._next_canary = 0.0  # the first canary goes out at start-up
@@ -410,7 +412,10 @@ class Relay:
         now = time.monotonic()
         if not force and busy == self.busy and now - self._last_heartbeat < HEARTBEAT_INTERVAL:
             return
-        self.relays.heartbeat(conn, self.relay_id, busy, socket.gethostname(), os.getpid())
+        self.clock_offset = self.relays.heartbeat(
+            conn, self.relay_id, busy, socket.gethostname(), os.getpid(), self.clock_offset
+        )
+        metrics.relay_clock_offset.set(self.clock_offset)
         self.busy_spells += busy and not self.busy
         self.busy = busy
         metrics.relay_busy.set(1 if busy else 0)

@@ -31,6 +31,7 @@ REQUIRED = {
     "PipelineWorkersDown",
     "PipelineTargetDown",
     "PipelineRelayListenerDown",
+    "PipelineRelayClockSkewed",
     "PipelineNotificationsMissing",
     "PipelinePostgresUnreachable",
     "PipelineRedisUnreachable",

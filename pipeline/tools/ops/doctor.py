@@ -35,6 +35,9 @@ What is checked, and how:
   (warning: workers still accept unsigned messages).
 * **clock**: this host's clock against the database's (queue messages carry the host's
   time, the delivery ledger the database's; it allows one second).
+* **relay and worker clocks**: each live relay's and worker process's clock against the
+  database's, as its heartbeat last measured it (``clock_offset``); more than one second
+  off is a problem naming the process, its host and pid.
 * **dead letters** waiting, and the **canary**'s last arrival.
 """
 
@@ -77,7 +80,7 @@ from pipeline.policy import (
 )
 from pipeline.registry import CANARY_CONSUMER
 from pipeline.signing import MessageKeys
-from pipeline.tools.ops.relays import process_state
+from pipeline.tools.ops.relays import clock_skew, process_state
 from pipeline.transport.factory import transport_class
 
 Status = Literal["ok", "info", "warning", "problem"]
@@ -332,6 +335,8 @@ def _check_processes(
             f"check that process: a live {kind} refreshes its heartbeat every few seconds, "
             "idle or busy; it may be paused, stuck, cut off from Postgres, or killed",
         )
+    for process in alive:
+        _check_process_clock(process, kind, report)
     if alive:
         busy = sum(state == "busy" for _, state in states)
         report.add(
@@ -343,6 +348,20 @@ def _check_processes(
     elif not stale:
         report.add(
             check, "info", f"no {kind} is running" + _gone_note(kind, gone), START_HINTS[kind]
+        )
+
+
+def _check_process_clock(process: ProcessInfo, kind: Kind, report: Report) -> None:
+    """A live process whose clock its heartbeat found more than a second off the database's."""
+    skew = clock_skew(process)
+    if skew:
+        report.add(
+            f"{kind}_clock",
+            "problem",
+            f"{kind} {process.process_id} ({process.host} pid {process.pid}): its clock is {skew}",
+            f"synchronise the clock of {process.host} with the database server's (NTP/chrony): "
+            "queue messages and publishing slots carry the host's time, the outbox and the "
+            "delivery ledger the database's",
         )
 
 

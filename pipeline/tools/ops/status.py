@@ -24,7 +24,7 @@ from pipeline.db.stores.unrouted import UnroutedStore
 from pipeline.driver_errors import wrap_driver_errors
 from pipeline.policy import redelivery_horizon
 from pipeline.tools.ops.activity import ConsumerActivity, format_activity, read_activity
-from pipeline.tools.ops.relays import process_state
+from pipeline.tools.ops.relays import clock_skew, process_state
 from pipeline.tools.ops.text import printable_lines
 from pipeline.transport.base import QueueDepth
 from pipeline.transport.factory import open_transport
@@ -68,6 +68,7 @@ def _process_json(info: ProcessInfo, id_name: str) -> dict[str, Any]:
         "pid": info.pid,
         "busy": info.busy,
         "heartbeat_age_seconds": round(info.heartbeat_age_seconds, 3),
+        "clock_offset_seconds": None if info.clock_offset is None else round(info.clock_offset, 3),
         "state": process_state(info),
     }
 
@@ -207,5 +208,6 @@ def _format_processes(title: str, processes: list[ProcessInfo]) -> list[str]:
     return [f"{title} ({alive} alive):"] + [
         f"  {p.process_id} ({p.host} pid {p.pid}): {process_state(p)}, "
         f"heartbeat {p.heartbeat_age_seconds:.1f}s ago"
+        + (f", clock {skew}" if (skew := clock_skew(p)) else "")
         for p in processes
     ]

@@ -640,6 +640,20 @@ def relay(o: KitOptions) -> Json:
                 width=8,
                 links=[_runbook(o, "postgres-down"), _runbook(o, "broker-down")],
             ),
+            timeseries(
+                "Clock offset against the database",
+                "Each relay host's clock minus the database's, measured at every heartbeat "
+                "(positive: the host is ahead). Beyond one second either way for 5 minutes "
+                "PipelineRelayClockSkewed fires: the delivery ledger allows one second "
+                "between queue messages' times and the database's.",
+                "s",
+                Query(
+                    f"max by (instance) (pipeline_relay_clock_offset_seconds{{{J}}}) {RELAYS_ONLY}",
+                    "{{instance}}",
+                ),
+                width=16,
+                links=[_runbook(o, "PipelineRelayClockSkewed")],
+            ),
         ],
     )
     return dashboard(

@@ -198,6 +198,10 @@ class Alert:
         return rule
 
 
+RELAY_CLOCK_SKEW_SECONDS = 1.0
+"""How far a relay's clock may be off the database's: the delivery ledger's clock margin."""
+
+
 def _down(o: KitOptions, selector: str) -> str:
     """No target of ``selector`` up: some exist but none answer, or none is scraped at all."""
     by = o.by("job")
@@ -251,6 +255,20 @@ def availability_alerts(o: KitOptions) -> list[Alert]:
             "Relay {{ $labels.instance }} has had no LISTEN connection to Postgres for 5 "
             "minutes. Events still flow through the adaptive poll (up to "
             "PIPELINE_POLL_INTERVAL_MAX late); the relay keeps reconnecting.",
+            RELAY_UID,
+        ),
+        Alert(
+            "PipelineRelayClockSkewed",
+            f"max{o.by('job', 'instance')} (abs(pipeline_relay_clock_offset_seconds{{{r}}}))"
+            f" > {number(RELAY_CLOCK_SKEW_SECONDS)}",
+            "5m",
+            "warning",
+            "A relay host's clock is more than a second off the database's.",
+            "The clock of relay {{ $labels.instance }} has been {{ $value | humanize }} s "
+            "off the database's for 5 minutes (as its heartbeats measure it). Queue "
+            "messages carry the relay's time and the delivery ledger's sweep allows one "
+            "second between clocks: beyond that it may send deliveries again that still "
+            "wait on a queue (the inbox absorbs the copies), or re-send lost ones later.",
             RELAY_UID,
         ),
         Alert(

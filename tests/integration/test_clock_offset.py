@@ -1,0 +1,120 @@
+"""A relay on a host whose clock runs ahead, seen by the heartbeats.
+
+The relay runs under libfaketime with its wall clock shifted five seconds ahead: its
+heartbeats store the offset against Postgres's clock, it exports it as
+``pipeline_relay_clock_offset_seconds``, and ``pipeline doctor`` names it with its host
+and pid. A relay and a worker on the true clock beside it are measured within a second
+and not named.
+
+The monotonic clock is left alone (``FAKETIME_DONT_FAKE_MONOTONIC``), as on a real host
+whose wall clock is off: NTP and ``date -s`` move the wall clock only, and the relay
+times its waits by the monotonic clock. Faking it too hangs every timed wait of any
+Python process (libfaketime shifts ``clock_gettime(CLOCK_MONOTONIC)`` but not the
+deadlines of ``sem_clockwait``); with it left alone, ``time.sleep`` fails instead
+(libfaketime's ``clock_nanosleep`` returns EINVAL), which Dramatiq's worker loop calls
+and the relay does not: so the worker runs on the true clock.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from pipeline import Settings
+from pipeline.tools.harness.server import free_port
+from tests.support import pipeline_env, run_cli, start_relay, start_worker, stop_process, wait_until
+
+APP = "tests.apps.relay_app"
+FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
+AHEAD = {"LD_PRELOAD": str(FAKETIME), "FAKETIME": "+5s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+GAUGE = "pipeline_relay_clock_offset_seconds"
+
+
+def offsets(engine, table: str, id_column: str) -> dict[int, float | None]:
+    with engine.connect() as conn:
+        rows = conn.exec_driver_sql(
+            f"SELECT pid, clock_offset FROM pipeline.{table} ORDER BY {id_column}"
+        ).all()
+    return {int(pid): offset for pid, offset in rows}
+
+
+def gauge(port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == GAUGE:
+                return float(sample.value)
+    raise AssertionError(f"{GAUGE} is not exported")
+
+
+MISSING = "libfaketime is missing: apt-get install faketime"
+
+
+@pytest.mark.skipif(not FAKETIME.exists(), reason=MISSING)
+def test_clocks_ahead_are_stored_exported_and_named_by_doctor(settings: Settings, engine, tmp_path):
+    settings = settings.replace(canary_interval=0)
+    skewed_port, true_port = free_port(), free_port()
+    skewed = start_relay(
+        settings, APP, tmp_path / "skewed.log", "--mode", "inline",
+        "--metrics-port", str(skewed_port), **AHEAD,
+    )  # fmt: skip
+    true = start_relay(
+        settings, APP, tmp_path / "true.log", "--mode", "inline",
+        "--metrics-port", str(true_port),
+    )  # fmt: skip
+    worker = start_worker(
+        settings, APP, tmp_path / "worker.log", 1, 1, PIPELINE_WORKER_METRICS_PORT="0"
+    )
+    try:
+        relays = wait_until(
+            lambda: (
+                (o := offsets(engine, "relay_state", "relay_id")).get(skewed.pid) is not None
+                and o.get(true.pid) is not None
+                and o
+            ),
+            timeout=60,
+            interval=0.2,
+            alive=[skewed, true, worker],
+        )
+        assert 4.0 <= relays[skewed.pid] <= 6.0, relays
+        assert abs(relays[true.pid]) < 1.0, relays
+        workers = wait_until(
+            lambda: [
+                o for o in offsets(engine, "worker_state", "worker_id").values() if o is not None
+            ],
+            timeout=60,
+            interval=0.2,
+            alive=[skewed, true, worker],
+        )
+        assert len(workers) == 1 and abs(workers[0]) < 1.0, workers
+        assert 4.0 <= gauge(skewed_port) <= 6.0
+        assert abs(gauge(true_port)) < 1.0
+
+        env = pipeline_env(settings, APP)
+        doctor = run_cli(["doctor"], env)
+        assert doctor.returncode == 1, doctor.stdout
+        named = [line for line in doctor.stdout.splitlines() if "clock is" in line]
+        host = socket.gethostname()
+        assert len(named) == 1, doctor.stdout
+        assert f"PROBLEM relay_clock: relay {host}-{skewed.pid}-" in named[0]
+        assert f"({host} pid {skewed.pid}): its clock is" in named[0]
+        assert "s ahead of the database's" in named[0]
+        status = run_cli(["status"], env).stdout.splitlines()
+        [line] = [line for line in status if f"pid {skewed.pid})" in line]
+        assert "s ahead of the database's" in line
+        [line] = [line for line in status if f"pid {true.pid})" in line]
+        assert "clock" not in line
+        rows = json.loads(run_cli(["status", "--json"], env).stdout)["relays"]
+        shown = {row["pid"]: row["clock_offset_seconds"] for row in rows}
+        assert 4.0 <= shown[skewed.pid] <= 6.0 and abs(shown[true.pid]) < 1.0, shown
+        findings = json.loads(run_cli(["doctor", "--json"], env).stdout)["findings"]
+        assert [f["status"] for f in findings if f["check"] == "relays"] == ["ok"]
+    finally:
+        for process in (skewed, true, worker):
+            stop_process(process)
