@@ -13,7 +13,13 @@ from dramatiq.message import Message
 
 from pipeline.transport.redis.broker import PipelineRedisBroker, make_broker
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
-from pipeline.transport.redis.keys import acks_key, messages_key, queue_key, wake_key
+from pipeline.transport.redis.keys import (
+    acks_key,
+    heartbeats_key,
+    messages_key,
+    queue_key,
+    wake_key,
+)
 
 QUEUE = "wake_test"
 
@@ -29,7 +35,7 @@ def broker(settings: Any) -> Iterator[PipelineRedisBroker]:
 def count_calls(broker: PipelineRedisBroker) -> list[str]:
     """Record the consumer's Redis calls: plain fetches, waits (each with a fetch), wake-ups."""
     calls: list[str] = []
-    fetch, wait_and_fetch, wake = broker.do_fetch, broker.wait_and_fetch, broker.wake
+    fetch, wait_and_fetch, wake = broker.fetch, broker.wait_and_fetch, broker.wake
 
     def counted_fetch(*args: Any, **kwargs: Any) -> Any:
         calls.append("fetch")
@@ -44,7 +50,7 @@ def count_calls(broker: PipelineRedisBroker) -> list[str]:
         calls.append("wake")
         wake(queue_name)
 
-    broker.do_fetch, broker.wait_and_fetch, broker.wake = counted_fetch, counted_wait, counted_wake  # type: ignore[method-assign]
+    broker.fetch, broker.wait_and_fetch, broker.wake = counted_fetch, counted_wait, counted_wake  # type: ignore[method-assign]
     return calls
 
 
@@ -91,6 +97,7 @@ def test_a_short_fetch_waits_on_the_wake_up_list_and_an_enqueue_wakes_it(broker)
 
 def test_a_wait_and_its_fetch_are_one_round_trip(broker):
     """Redis runs the fetch when the wait ends: a wake-up costs no second round trip."""
+    assert broker.fetch(QUEUE, 1) == []  # the first fetch loads the fetch script
     sent: list[list[str]] = []
     pipeline = broker.client.pipeline
 
@@ -111,8 +118,9 @@ def test_a_wait_and_its_fetch_are_one_round_trip(broker):
 
     messages = broker.wait_and_fetch(QUEUE, 4, 1000)
 
-    assert [Message.decode(m).args for m in messages] == [(7,)]
-    assert sent == [["BLPOP", "EVALSHA"]]
+    assert [(i, Message.decode(m).args) for i, m in messages] == [("raw-id", (7,))]
+    assert sent == [["BLPOP", "EVALSHA", "EVALSHA"]]  # the heartbeat's dispatch, the fetch
+    assert broker.client.zscore(heartbeats_key(broker.namespace), broker.broker_id) is not None
     assert broker.client.llen(wake_key(broker.namespace, QUEUE)) == 0  # the wake-up was used
 
 
@@ -123,8 +131,9 @@ def test_a_wait_whose_fetch_script_redis_lost_fetches_again(broker):
 
     messages = broker.wait_and_fetch(QUEUE, 4, 100)
 
-    assert [Message.decode(m).args for m in messages] == [(5,)]
+    assert [(i, Message.decode(m).args) for i, m in messages] == [("raw-id", (5,))]
     assert broker.client.script_exists(broker.scripts["dispatch"].sha) == [True]
+    assert broker.client.script_exists(broker.fetch_with_ids.sha) == [True]
 
 
 def test_a_wait_that_times_out_still_fetches_what_came_without_a_wake_up(broker):

@@ -205,3 +205,60 @@ def test_no_payload_reaches_the_logs_at_debug(engine, inbox_settings: Settings, 
     text = log.read_text()
     assert "Received args=" in text  # Dramatiq's DEBUG line is there, without its arguments
     assert marker not in text
+
+
+def requeue_as_maintenance_does(client: redis.Redis, namespace: str, queue: str) -> None:
+    """What Dramatiq's maintenance does with a dead worker's un-acked set: ids that still
+    have a body go back on the queue, and the set goes."""
+    for key in acks_sets(client, namespace, queue):
+        for member in client.smembers(key):
+            if client.hexists(messages_key(namespace, queue), member):
+                client.rpush(queue_key(namespace, queue), member)
+        client.delete(key)
+    client.lpush(wake_key(namespace, queue), "1")
+
+
+def test_a_message_naming_another_redis_id_is_dead_lettered_once(
+    engine, inbox_settings: Settings, tmp_path
+):
+    """A hand-written message whose ``redis_message_id`` option names another id than the
+    one it is stored under: it is settled under the id it was fetched by, so after the
+    worker stops nothing of it is left to come back and be dead-lettered again."""
+    client = redis.Redis.from_url(inbox_settings.require_redis_url())
+    namespace, queue = inbox_settings.redis_namespace, "pipeline.ledger"
+    stored_under, named = str(uuid.uuid4()), str(uuid.uuid4())
+    body = {
+        "queue_name": queue,
+        "actor_name": "pipeline_inbox_ledger",
+        "args": [],  # arguments no consumer takes: dead-lettered at once
+        "kwargs": {},
+        "options": {"redis_message_id": named},
+        "message_id": str(uuid.uuid4()),
+        "message_timestamp": 0,
+    }
+    client.hset(messages_key(namespace, queue), stored_under, json.dumps(body))
+    client.rpush(queue_key(namespace, queue), stored_under)
+    client.lpush(wake_key(namespace, queue), "1")
+    try:
+        for run in range(2):  # the second worker gets whatever the first left behind
+            log = tmp_path / f"worker-{run}.log"
+            worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
+            try:
+                wait_until(lambda: len(dead_letters(engine)) >= 1, timeout=30, alive=[worker])
+                produce(engine, [NewEvent("entry.booked", {"order_id": f"after-{run}"})])
+                publish_repeated(inbox_settings, times=1)  # behind anything requeued
+                wait_until(
+                    lambda run=run: scalar(engine, "SELECT count(*) FROM effects") == run + 1,
+                    alive=[worker],
+                )
+                wait_until(lambda: client.llen(queue_key(namespace, queue)) == 0, alive=[worker])
+            finally:
+                stop_process(worker)
+            assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+            requeue_as_maintenance_does(client, namespace, queue)
+        assert len(dead_letters(engine)) == 1, dead_letters(engine)
+        assert client.hlen(messages_key(namespace, queue)) == 0
+        assert client.llen(queue_key(namespace, queue)) == 0
+        assert not any(acks_sets(client, namespace, queue).values())
+    finally:
+        client.close()

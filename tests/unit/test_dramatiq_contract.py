@@ -39,7 +39,12 @@ from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.registry import Registry
 from pipeline.transport.messages import current_exception
 from pipeline.transport.publisher import Delivery
-from pipeline.transport.redis.broker import PipelineRedisBroker, WakeableRedisConsumer, make_broker
+from pipeline.transport.redis.broker import (
+    _FETCH_WITH_IDS,
+    PipelineRedisBroker,
+    WakeableRedisConsumer,
+    make_broker,
+)
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
 from pipeline.transport.redis.keys import (
     acks_key,
@@ -205,6 +210,48 @@ def test_ack_and_nack_do_what_the_consumer_s_own_versions_do():
     statement(r'command == "nack" then\n\s+local message_id = ARGS\[1\]')
 
 
+def test_the_broker_s_fetch_does_what_dramatiqs_fetch_does_and_keeps_the_ids():
+    """``PipelineRedisBroker.fetch`` runs Dramatiq's fetch with a prefetch of 0 (only the
+    heartbeat and maintenance every dispatch does) and then a script of its own that does
+    what Dramatiq's fetch does, returning each id with its body (``test_broker.py`` runs
+    both against a real Redis)."""
+    fetch = statement(r'command == "fetch" then\n((.|\n)*?)\n\n\n').group(1)
+    assert re.search(r"local prefetch = math.min\(ARGS\[1\], max_unpack_size\)", fetch)
+    loop = r'for i=1,prefetch do\n\s+local message_id = redis.call\("lpop", queue_full_name\)'
+    assert re.search(loop, fetch)  # a prefetch of 0 pops nothing
+    assert re.search(r'redis\.call\("sadd", queue_acks, message_id\)', fetch)
+    assert re.search(r'return redis\.call\("hmget", queue_messages, unpack\(message_ids\)\)', fetch)
+    assert re.search(r"if next\(message_ids\) ~= nil then(.|\n)*else\n\s+return \{\}", fetch)
+    ours = _FETCH_WITH_IDS
+    assert "redis.call('lpop', KEYS[1])" in ours and "redis.call('sadd', KEYS[2], id)" in ours
+    assert "redis.call('hget', KEYS[3], id)" in ours
+
+
+def test_dramatiq_reads_the_redis_id_from_the_body_only_where_the_consumer_overrides_it():
+    """Dramatiq settles a message by the ``redis_message_id`` its body names; the
+    consumer settles it by the id it was fetched under, so every Dramatiq method that
+    reads the option, but the enqueue that writes it, must be one the consumer replaces."""
+    import dramatiq.brokers.redis as dramatiq_redis
+
+    readers = {
+        f"{owner.__name__}.{name}"
+        for owner in (RedisBroker, _RedisConsumer)
+        for name, value in vars(owner).items()
+        if inspect.isfunction(value) and REDIS_MESSAGE_ID in inspect.getsource(value)
+    }
+    assert readers == {
+        "RedisBroker.enqueue",
+        "_RedisConsumer.ack",
+        "_RedisConsumer.nack",
+        "_RedisConsumer.requeue",
+    }
+    assert inspect.getsource(dramatiq_redis).count(REDIS_MESSAGE_ID) == 5
+    for name in ("ack", "nack", "requeue", "__next__"):
+        assert name in vars(WakeableRedisConsumer), name
+    requeue = inspect.getsource(_RedisConsumer.requeue)
+    assert "self.broker.do_requeue(self.queue_name, *message_ids)" in requeue
+
+
 def outbox_event(payload_json: str, seq: int = 1) -> OutboxEvent:
     return OutboxEvent(
         id=uuid.uuid4(),
@@ -268,7 +315,7 @@ def test_the_private_consumer_still_has_what_the_subclass_uses():
     assert consumer.message_cache == [] and consumer.queued_message_ids == set()
     assert consumer.misses == 0
     assert consumer.outstanding_message_count == 0
-    consumer.message_cache = [b"x"]
+    consumer.message_cache = [(b"id", b"x")]  # ours holds (Redis id, body) pairs
     consumer.queued_message_ids.add("m")
     assert consumer.outstanding_message_count == 2  # both count against the prefetch
     assert list(inspect.signature(_RedisConsumer.requeue).parameters) == ["self", "messages"]

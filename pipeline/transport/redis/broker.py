@@ -25,7 +25,14 @@ a lost delivery, counted and dropped, which the relay's delivery ledger sends ag
 Both go to :attr:`PipelineRedisBroker.missing_body_sink`. Only undecodable bodies, and
 bare values pushed on a queue by something other than a Dramatiq client, are handed to
 :attr:`PipelineRedisBroker.undecodable_sink` (a dead letter) and removed, instead of
-being stuck in the consumer's un-acked set. While Redis is down a
+being stuck in the consumer's un-acked set.
+
+Every message is settled (acknowledged, rejected, requeued) under the Redis id it was
+fetched by, never under the ``redis_message_id`` its body names: Dramatiq's fetch returns
+bodies only, so the broker fetches with a script of its own that returns each id with its
+body (:meth:`PipelineRedisBroker.fetch`). A body naming another id than the one it is
+stored under was not written by a Dramatiq client and is dead-lettered like one without
+the option. While Redis is down a
 worker process waits with growing pauses, logging one line per pause (:class:`BrokerOutage`).
 """
 
@@ -95,6 +102,24 @@ for _, id in ipairs(redis.call('smembers', KEYS[1])) do
 end
 return bare
 """
+# KEYS[1] the queue, KEYS[2] this consumer's un-acked set, KEYS[3] the queue's bodies;
+# ARGV[1] how many to fetch. Dramatiq's fetch (dispatch.lua: pop ids off the head of the
+# queue, record each in the un-acked set, read their bodies), returning each id followed
+# by its body (nil when there is none) instead of the bodies alone. The heartbeat and
+# maintenance that Dramatiq's fetch does ride on a call of its script that fetches none.
+_FETCH_WITH_IDS = """
+local fetched = {}
+for _ = 1, tonumber(ARGV[1]) do
+    local id = redis.call('lpop', KEYS[1])
+    if not id then
+        break
+    end
+    redis.call('sadd', KEYS[2], id)
+    table.insert(fetched, id)
+    table.insert(fetched, redis.call('hget', KEYS[3], id))
+end
+return fetched
+"""
 UNACKNOWLEDGEABLE_REASON = (
     f"a message without the {REDIS_MESSAGE_ID!r} option Dramatiq acknowledges it by "
     "(not enqueued by a Dramatiq client)"
@@ -110,24 +135,44 @@ def is_message_id(value: bytes) -> bool:
         return False
 
 
+MISNAMED_REASON = (
+    f"a message whose {REDIS_MESSAGE_ID!r} option names another id than the one it is "
+    "stored under (not enqueued by a Dramatiq client)"
+)
+
 BARE_VALUE_REASON = (
     "a bare value on the queue, not a Dramatiq message (nothing was enqueued under it)"
 )
 
 
-def _malformed(message: Message[Any]) -> str | None:
-    """Why Dramatiq could not run or settle a decoded message, or None if it can."""
+def _malformed(message: Message[Any], redis_id: str) -> str | None:
+    """Why a decoded message fetched under ``redis_id`` must not run, or None if it can."""
     if not isinstance(message.options, dict) or not isinstance(
         message.options.get(REDIS_MESSAGE_ID), str
     ):
-        # Without it Dramatiq can neither acknowledge nor reject the message: it would sit
-        # in the un-acked set and come back after every restart.
         return UNACKNOWLEDGEABLE_REASON
+    if message.options[REDIS_MESSAGE_ID] != redis_id:
+        return MISNAMED_REASON
     if not isinstance(message.args, list | tuple) or not isinstance(message.kwargs, dict):
         return "undecodable message: its args are not a list or its kwargs not an object"
     if not all(isinstance(name, str) for name in (message.queue_name, message.actor_name)):
         return "undecodable message: its queue or actor name is not a string"
     return None
+
+
+class FetchedMessage(MessageProxy):
+    """A message as the consumer fetched it, with the Redis id it is stored under: the id
+    it is acknowledged, rejected and requeued by (never the one its body names)."""
+
+    def __init__(self, message: Message[Any], redis_id: str) -> None:
+        super().__init__(message)
+        self.redis_id = redis_id
+
+
+def _fetched_id(message: MessageProxy) -> str:
+    if not isinstance(message, FetchedMessage):  # settling by the body's id is what it avoids
+        raise TypeError(f"not a message this consumer fetched: {type(message).__name__}")
+    return message.redis_id
 
 
 class WakeableRedisConsumer(_RedisConsumer):
@@ -142,12 +187,14 @@ class WakeableRedisConsumer(_RedisConsumer):
     and, this worker being alive, Dramatiq would never put them back. So after a failed
     fetch the next fetch first requeues every un-acked id of this consumer that it did not
     hand out (:meth:`_requeue_orphans`).
+
+    ``message_cache`` holds (Redis id, body) pairs, and ``queued_message_ids`` the Redis
+    ids of the messages handed to worker threads and not yet settled.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self._orphans_possible = False  # a fetch failed since the last look at the un-acked set
-        self._held_ids: set[Any] = set()  # Redis ids handed to worker threads, not finished
 
     def __next__(self) -> Any:
         outage: BrokerOutage = self.broker.outage
@@ -158,7 +205,7 @@ class WakeableRedisConsumer(_RedisConsumer):
         try:
             while True:
                 try:
-                    data = self.message_cache.pop(0)
+                    redis_id, data = self.message_cache.pop(0)
                 except IndexError:
                     fetched = self._fetch()
                     outage.succeeded()
@@ -169,15 +216,14 @@ class WakeableRedisConsumer(_RedisConsumer):
                 try:
                     message = Message.decode(data)
                 except (DecodeError, UnicodeDecodeError, TypeError, KeyError) as exc:
-                    self._discard_undecodable(data, f"undecodable message: {exc}")
+                    self._discard_undecodable(redis_id, data, f"undecodable message: {exc}")
                     continue
-                malformed = _malformed(message)
+                malformed = _malformed(message, redis_id)
                 if malformed is not None:
-                    self._discard_undecodable(data, malformed)
+                    self._discard_undecodable(redis_id, data, malformed)
                     continue
-                self.queued_message_ids.add(message.message_id)
-                self._held_ids.add(message.options.get("redis_message_id"))
-                return MessageProxy(message)
+                self.queued_message_ids.add(redis_id)
+                return FetchedMessage(message, redis_id)
         except redis.RedisError as exc:
             self._orphans_possible = True
             outage.failed(exc)
@@ -187,9 +233,9 @@ class WakeableRedisConsumer(_RedisConsumer):
         """Put back on the queue the un-acked ids of this consumer that nobody holds."""
         broker = self.broker
         acks = acks_key(broker.namespace, broker.broker_id, self.queue_name)
-        held = set(self._held_ids)
+        held = set(self.queued_message_ids)
         members = broker.client.smembers(acks)
-        held |= self._held_ids  # a message handed out meanwhile is held, not orphaned
+        held |= self.queued_message_ids  # a message handed out meanwhile is held, not orphaned
         orphans = [_text(member) for member in members if _text(member) not in held]
         if orphans:
             broker.do_requeue(self.queue_name, *orphans)
@@ -213,55 +259,60 @@ class WakeableRedisConsumer(_RedisConsumer):
         if self._drained:  # anything enqueued since the last fetch pushed a wake-up after it
             messages = self.broker.wait_and_fetch(self.queue_name, wanted, self.timeout)
         else:
-            messages = self.broker.do_fetch(self.queue_name, wanted)
-        if any(data is None for data in messages):  # Dramatiq found no body for an id
+            messages = self.broker.fetch(self.queue_name, wanted)
+        if any(data is None for _, data in messages):  # an id without a body
             self._sort_out_bare_values()
-            messages = [data for data in messages if data is not None]
+            messages = [(redis_id, data) for redis_id, data in messages if data is not None]
         self.message_cache = messages
-        # A full fetch, or one Dramatiq's script cut at its unpack limit, may have left a
+        # A full fetch, or one cut at Dramatiq's unpack limit, may have left a
         # backlog: fetch again without waiting, and wake another consumer for it.
         self._drained = len(messages) < min(wanted, self.broker._max_unpack_size())
         if not self._drained:
             self.broker.wake(self.queue_name)
         return bool(messages)
 
-    def ack(self, message: Any) -> None:
+    def ack(self, message: MessageProxy) -> None:
         self._finish("ack", message)
 
-    def nack(self, message: Any) -> None:
+    def nack(self, message: MessageProxy) -> None:
         self._finish("nack", message)
 
-    def _finish(self, command: str, message: Any) -> None:
-        """Dramatiq's ack or nack, after recording the id among the queue's finished ones.
+    def _finish(self, command: str, message: MessageProxy) -> None:
+        """Dramatiq's ack or nack, by the id the message was fetched under."""
+        redis_id = _fetched_id(message)
+        try:
+            self._settle(command, redis_id)
+        except redis.ConnectionError as exc:
+            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
+        finally:
+            self.queued_message_ids.discard(redis_id)
+
+    def _settle(self, command: str, redis_id: str) -> None:
+        """Dramatiq's ack or nack of ``redis_id``, after recording it among the queue's
+        finished ids.
 
         One round trip: the record (and the trim of the set to the broker's
         ``finished_ids_kept``) and Dramatiq's dispatch script travel in one pipeline, the
         record first, so an id is known finished before its body goes.
         """
         broker = self.broker
-        redis_id = message.options["redis_message_id"]
         key = done_key(broker.namespace, self.queue_name)
-        try:
-            pipe = broker.client.pipeline(transaction=False)
-            pipe.zadd(key, {redis_id: current_millis()})
-            pipe.zremrangebyrank(key, 0, -broker.finished_ids_kept - 1)
-            broker.push_dispatch(pipe, command, self.queue_name, redis_id)
-            results = pipe.execute(raise_on_error=False)
-            if isinstance(results[-1], redis.exceptions.NoScriptError):
-                getattr(broker, f"do_{command}")(self.queue_name, redis_id)  # loads the script
-            elif isinstance(results[-1], Exception):
-                raise results[-1]
-        except redis.ConnectionError as exc:
-            raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
-        finally:
-            self.queued_message_ids.discard(message.message_id)
-            self._held_ids.discard(redis_id)
+        pipe = broker.client.pipeline(transaction=False)
+        pipe.zadd(key, {redis_id: current_millis()})
+        pipe.zremrangebyrank(key, 0, -broker.finished_ids_kept - 1)
+        broker.push_dispatch(pipe, command, self.queue_name, redis_id)
+        results = pipe.execute(raise_on_error=False)
+        if isinstance(results[-1], redis.exceptions.NoScriptError):
+            getattr(broker, f"do_{command}")(self.queue_name, redis_id)  # loads the script
+        elif isinstance(results[-1], Exception):
+            raise results[-1]
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
-        """Dramatiq's requeue (a stopping worker's unprocessed messages), then a wake-up."""
-        messages = list(messages)
-        if messages:
-            super().requeue(messages)  # type: ignore[no-untyped-call]
+        """Dramatiq's requeue (a stopping worker's unprocessed messages) by the ids they were
+        fetched under, then a wake-up."""
+        redis_ids = [_fetched_id(message) for message in messages]
+        if redis_ids:
+            self.broker.do_requeue(self.queue_name, *redis_ids)
             self.broker.wake(self.queue_name)
 
     def _sort_out_bare_values(self) -> None:
@@ -303,11 +354,14 @@ class WakeableRedisConsumer(_RedisConsumer):
                 extra={"queue": self.queue_name, "error_class": type(exc).__name__},
             )
 
-    def _discard_undecodable(self, data: bytes, reason: str) -> None:
-        """Hand the raw bytes to the sink, then remove them from Redis (they can never run).
+    def _discard_undecodable(self, redis_id: str, data: bytes, reason: str) -> None:
+        """Hand the raw bytes to the sink, then acknowledge the message by the id it was
+        fetched under (it can never run), recording that id among the finished ones.
 
         If the sink fails, the message stays in the un-acked set (requeued when this worker
-        stops) rather than being lost; it is removed only once it has been recorded.
+        stops) rather than being lost; it is removed only once it has been recorded. (If
+        the acknowledgement fails after the record, the message comes back and the sink
+        finds it recorded already.)
         """
         try:
             self.broker.undecodable_sink(self.queue_name, data, reason)
@@ -318,12 +372,7 @@ class WakeableRedisConsumer(_RedisConsumer):
                 extra={"queue": self.queue_name, "error_class": type(exc).__name__},
             )
             return
-        acks = acks_key(self.broker.namespace, self.broker.broker_id, self.queue_name)
-        messages = messages_key(self.broker.namespace, self.queue_name)
-        for message_id in self.broker.client.smembers(acks):
-            if self.broker.client.hget(messages, message_id) == data:
-                self.broker.do_ack(self.queue_name, message_id)
-                return
+        self._settle("ack", redis_id)
 
 
 class PipelineRedisBroker(RedisBroker):
@@ -341,6 +390,7 @@ class PipelineRedisBroker(RedisBroker):
         self.finished_ids_kept = finished_ids_kept
         self.outage = BrokerOutage("Redis", cap=outage_backoff_max)
         self.take_bare_values = self.client.register_script(_TAKE_BARE_VALUES)
+        self.fetch_with_ids = self.client.register_script(_FETCH_WITH_IDS)
 
     @property
     def consumer_class(self) -> type[WakeableRedisConsumer]:
@@ -431,25 +481,57 @@ class PipelineRedisBroker(RedisBroker):
             *args,
         )
 
-    def wait_and_fetch(self, queue_name: str, wanted: int, timeout_ms: int) -> list[Any]:
-        """Wait up to ``timeout_ms`` for a wake-up, then fetch up to ``wanted`` messages.
+    def fetch(self, queue_name: str, wanted: int) -> list[tuple[str, bytes | None]]:
+        """Fetch up to ``wanted`` messages (at most Dramatiq's unpack limit) as (Redis id,
+        body) pairs, the body None where the id has none, as Dramatiq's fetch does: the ids
+        move from the queue to this worker's un-acked set.
 
-        One round trip: the wait and Dramatiq's fetch script go in one pipeline, and Redis
-        runs the fetch as soon as the wait ends, woken or not. The fetch's timestamp (its
-        heartbeat) is taken before the wait, at most ``timeout_ms`` early, far inside the
-        heartbeat timeout.
+        One round trip: a call of Dramatiq's dispatch script that fetches none (the
+        heartbeat, and maintenance by chance) and the fetch script, in one pipeline.
         """
+        return self._fetch(queue_name, wanted, None)
+
+    def wait_and_fetch(
+        self, queue_name: str, wanted: int, timeout_ms: int
+    ) -> list[tuple[str, bytes | None]]:
+        """Wait up to ``timeout_ms`` for a wake-up, then :meth:`fetch`.
+
+        One round trip: the wait goes in the fetch's pipeline, and Redis runs the fetch as
+        soon as the wait ends, woken or not. The fetch's timestamp (its heartbeat) is taken
+        before the wait, at most ``timeout_ms`` early, far inside the heartbeat timeout.
+        """
+        return self._fetch(queue_name, wanted, timeout_ms)
+
+    def _fetch(
+        self, queue_name: str, wanted: int, timeout_ms: int | None
+    ) -> list[tuple[str, bytes | None]]:
+        namespace = self.namespace
         pipe = self.client.pipeline(transaction=False)
-        pipe.blpop([wake_key(self.namespace, queue_name)], max(timeout_ms / 1000, 0.01))
-        self.push_dispatch(pipe, "fetch", queue_name, wanted)
+        if timeout_ms is not None:
+            pipe.blpop([wake_key(namespace, queue_name)], max(timeout_ms / 1000, 0.01))
+        self.push_dispatch(pipe, "fetch", queue_name, 0)
+        pipe.evalsha(
+            self.fetch_with_ids.sha,
+            3,
+            queue_key(namespace, queue_name),
+            acks_key(namespace, self.broker_id, queue_name),
+            messages_key(namespace, queue_name),
+            min(wanted, self._max_unpack_size()),  # type: ignore[no-untyped-call]
+        )
         # Replies checked one by one: a failed wait is only a missed hint, but a fetch that
         # succeeded holds messages already moved to this worker's un-acked set.
-        _, fetched = pipe.execute(raise_on_error=False)
-        if isinstance(fetched, redis.exceptions.NoScriptError):  # Redis lost its scripts:
-            return list(self.do_fetch(queue_name, wanted))  # this call loads them
+        *_, dispatched, fetched = pipe.execute(raise_on_error=False)
+        lost_scripts = redis.exceptions.NoScriptError
+        if isinstance(dispatched, lost_scripts) or isinstance(fetched, lost_scripts):
+            self.client.script_load(self.scripts["dispatch"].script)  # Redis restarted, or
+            self.client.script_load(_FETCH_WITH_IDS)  # SCRIPT FLUSH: load them again
+            if isinstance(fetched, lost_scripts):
+                return self._fetch(queue_name, wanted, None)
+        elif isinstance(dispatched, Exception):
+            raise dispatched
         if isinstance(fetched, Exception):
             raise fetched
-        return list(fetched)
+        return [(_text(i), body) for i, body in zip(fetched[::2], fetched[1::2], strict=True)]
 
 
 def make_broker(
