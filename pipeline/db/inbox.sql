@@ -53,10 +53,16 @@ WITH upserted AS (
 SELECT attempts FROM upserted;
 
 -- name: inbox_dead_letter
+-- A raw message carries the digest of its queue and bytes: one recorded already (it came
+-- back before the broker let go of it) is not recorded again: no row is inserted. (No
+-- RETURNING: a consuming role may insert dead letters without reading them.)
 INSERT INTO {schema}.dead_letters (stage, event_id, consumer, event_type, queue, reason,
-                                   error_class, error, attempts, envelope, raw_message)
+                                   error_class, error, attempts, envelope, raw_message,
+                                   raw_digest)
 VALUES ('consume', %(event_id)s, %(consumer)s, %(event_type)s, %(queue)s, %(reason)s,
-        %(error_class)s, %(error)s, %(attempts)s, %(envelope)s::jsonb, %(raw_message)s);
+        %(error_class)s, %(error)s, %(attempts)s, %(envelope)s::jsonb, %(raw_message)s,
+        %(raw_digest)s)
+ON CONFLICT (raw_digest) WHERE raw_digest IS NOT NULL DO NOTHING;
 
 -- name: inbox_predecessor_unfinished
 -- Ordered consumers: is an earlier event of this key delivered here but not yet done?

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Identity,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     PrimaryKeyConstraint,
     Table,
@@ -182,9 +183,17 @@ dead_letters = Table(
     Column("created_at", DateTime(timezone=True), nullable=False, server_default=_now),
     Column("replayed_at", DateTime(timezone=True)),
     Column("replay_count", Integer, nullable=False, server_default=text("0")),
+    # SHA-256 of the queue and the raw bytes of a raw message: one row per such message.
+    Column("raw_digest", LargeBinary),
     CheckConstraint("stage IN ('publish', 'consume')", name="dead_letters_stage_check"),
     Index("dead_letters_created_idx", "stage", "created_at"),
     Index("dead_letters_event_idx", "event_id"),
+    Index(
+        "dead_letters_raw_digest_idx",
+        "raw_digest",
+        unique=True,
+        postgresql_where=text("raw_digest IS NOT NULL"),
+    ),
 )
 
 audit_log = Table(

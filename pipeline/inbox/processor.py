@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from pipeline.config import Settings
 from pipeline.db.ordering import ordering_lock_bucket
-from pipeline.db.stores.inbox import ConsumeDeadLetter, InboxStore
+from pipeline.db.stores.inbox import ConsumeDeadLetter, InboxStore, raw_digest
 from pipeline.envelope import EnvelopeError, ReceivedEvent, decode_envelope
 from pipeline.errors import PermissionDeniedError, error_text
 from pipeline.inbox.consumer import ConsumerDefinition
@@ -569,6 +569,8 @@ def record_unreadable(
     ``consumer``, so an ordered consumer's later events of their keys stop waiting —
     unless ``attributed`` is False (an unauthentic envelope: the ids it names are claims).
     NUL characters, which Postgres text cannot hold, are kept escaped as ``\\x00``.
+    A ``raw`` message is recorded once per queue and bytes: one that comes back after it
+    was recorded (the worker stopped before the broker let go of it) is not recorded again.
     """
     event_id = envelope_id(envelope) if attributed else None
     carried = list(event_ids) or ([event_id] if event_id is not None else [])
@@ -588,26 +590,33 @@ def record_unreadable(
         attempts=0,
         envelope=envelope_json,
         raw_message=raw_text,
+        raw_digest=raw_digest(queue, raw) if raw is not None else None,
     )
     store = InboxStore(settings.schema_name)
     try:
-        _store_unreadable(store, engine, letter, carried if attributed else [])
+        recorded = _store_unreadable(store, engine, letter, carried if attributed else [])
     except DataError:
         # Text jsonb refuses (a lone surrogate escape): keep it as ASCII JSON text instead.
         kept = raw_text if raw_text is not None else envelope_json
         letter = replace(letter, envelope=None, raw_message=kept)
-        _store_unreadable(store, engine, letter, carried if attributed else [])
+        recorded = _store_unreadable(store, engine, letter, carried if attributed else [])
+    if not recorded:
+        log.warning("unprocessable message was dead-lettered already", extra={"queue": queue})
+        return
     metrics.dead_letters.labels("consume", event_type or "unknown", error_class).inc()
     log.error("unprocessable message dead-lettered", extra={"queue": queue, "reason": reason})
 
 
 def _store_unreadable(
     store: InboxStore, engine: Engine, letter: ConsumeDeadLetter, carried: Sequence[uuid.UUID]
-) -> None:
+) -> bool:
+    """Record the dead letter: False when it is a raw message recorded already."""
     with engine.begin() as connection:
-        store.dead_letter(connection, letter)
+        if not store.dead_letter(connection, letter):
+            return False
         if letter.consumer is not None and carried:
             store.give_up(connection, letter.consumer, carried, letter.reason)
+    return True
 
 
 def _escape_nul(text: str) -> str:

@@ -16,6 +16,7 @@ import redis
 from dramatiq.message import Message
 
 from pipeline import NewEvent, Settings
+from pipeline.inbox.processor import record_unreadable
 from pipeline.transport.factory import open_transport
 from pipeline.transport.redis.keys import acks_key, messages_key, queue_key, wake_key
 from tests.integration.test_inbox import inbox_settings, publish_repeated, scalar
@@ -218,17 +219,21 @@ def requeue_as_maintenance_does(client: redis.Redis, namespace: str, queue: str)
     client.lpush(wake_key(namespace, queue), "1")
 
 
-def test_a_message_naming_another_redis_id_is_dead_lettered_once(
-    engine, inbox_settings: Settings, tmp_path
+@pytest.mark.parametrize("names", ["another-redis-id", "another-queue"])
+def test_a_message_naming_another_id_or_queue_is_dead_lettered_once(
+    engine, inbox_settings: Settings, tmp_path, names
 ):
     """A hand-written message whose ``redis_message_id`` option names another id than the
-    one it is stored under: it is settled under the id it was fetched by, so after the
-    worker stops nothing of it is left to come back and be dead-lettered again."""
+    one it is stored under, or whose ``queue_name`` names another queue the worker consumes
+    (Dramatiq's worker settles a message through that queue's consumer): it is settled on
+    its own queue under the id it was fetched by, so after the worker stops nothing of it
+    is left to come back and be dead-lettered again."""
     client = redis.Redis.from_url(inbox_settings.require_redis_url())
     namespace, queue = inbox_settings.redis_namespace, "pipeline.ledger"
-    stored_under, named = str(uuid.uuid4()), str(uuid.uuid4())
+    stored_under = str(uuid.uuid4())
+    named = str(uuid.uuid4()) if names == "another-redis-id" else stored_under
     body = {
-        "queue_name": queue,
+        "queue_name": "pipeline.payments" if names == "another-queue" else queue,
         "actor_name": "pipeline_inbox_ledger",
         "args": [],  # arguments no consumer takes: dead-lettered at once
         "kwargs": {},
@@ -256,9 +261,62 @@ def test_a_message_naming_another_redis_id_is_dead_lettered_once(
                 stop_process(worker)
             assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
             requeue_as_maintenance_does(client, namespace, queue)
-        assert len(dead_letters(engine)) == 1, dead_letters(engine)
+        letters = dead_letters(engine)
+        assert len(letters) == 1, letters
+        assert "not enqueued by a Dramatiq client" in letters[0]["reason"]
         assert client.hlen(messages_key(namespace, queue)) == 0
         assert client.llen(queue_key(namespace, queue)) == 0
         assert not any(acks_sets(client, namespace, queue).values())
     finally:
         client.close()
+
+
+def test_a_raw_message_recorded_before_a_crash_is_not_recorded_again(
+    engine, inbox_settings: Settings, tmp_path
+):
+    """A worker that dies between recording a raw message and removing it from Redis
+    leaves both: the row, and the message (which comes back). The next worker removes
+    the message without recording it a second time."""
+    client = redis.Redis.from_url(inbox_settings.require_redis_url())
+    namespace, queue = inbox_settings.redis_namespace, "pipeline.ledger"
+    raw = b"not json, recorded before a crash"
+    hand_written(client, namespace, queue, raw)
+    # What the dead worker did before it could acknowledge the message:
+    record_unreadable(inbox_settings, engine, queue, "undecodable message: before", raw=raw)
+    log = tmp_path / "worker.log"
+    worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
+    try:
+        produce(engine, [NewEvent("entry.booked", {"order_id": "after"})])
+        publish_repeated(inbox_settings, times=1)  # queued behind the raw message
+        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, alive=[worker])
+        wait_until(lambda: client.hlen(messages_key(namespace, queue)) == 0, alive=[worker])
+    finally:
+        stop_process(worker)
+        client.close()
+    letters = dead_letters(engine)
+    assert [letter["reason"] for letter in letters] == ["undecodable message: before"]
+    assert "dead-lettered already" in log.read_text(), log.read_text()[-3000:]
+
+
+def test_raw_messages_are_recorded_once_per_queue_and_bytes(engine, inbox_settings: Settings):
+    """The same bytes on the same queue are one dead letter however often they are
+    recorded; other bytes, another queue, or a dead letter without raw bytes are not
+    folded into it."""
+    for _ in range(2):
+        record_unreadable(inbox_settings, engine, "pipeline.ledger", "r", raw=b"same\x00bytes")
+        record_unreadable(inbox_settings, engine, "pipeline.other", "r", raw=b"same\x00bytes")
+        record_unreadable(inbox_settings, engine, "pipeline.ledger", "r", raw=b"other")
+        record_unreadable(inbox_settings, engine, "pipeline.ledger", "r", envelope={"a": 1})
+    counts = scalar(
+        engine,
+        "SELECT json_object_agg(k, n) FROM (SELECT coalesce(queue || ':' || raw_message,"
+        " 'envelope') AS k, count(*) AS n FROM pipeline.dead_letters GROUP BY 1) c",
+    )
+    assert counts == {
+        "pipeline.ledger:same\\x00bytes": 1,
+        "pipeline.other:same\\x00bytes": 1,
+        "pipeline.ledger:other": 1,
+        "envelope": 2,
+    }
+    digests = scalar(engine, "SELECT count(DISTINCT raw_digest) FROM pipeline.dead_letters")
+    assert digests == 3

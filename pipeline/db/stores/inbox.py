@@ -8,6 +8,7 @@ SQLAlchemy's compiler.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,14 @@ class ConsumeDeadLetter:
     attempts: int
     envelope: str | None = None
     raw_message: str | None = None
+    raw_digest: bytes | None = None  # of a raw message: see :func:`raw_digest`
+
+
+def raw_digest(queue: str, raw: bytes) -> bytes:
+    """The SHA-256 digest a raw message's dead letter is recorded once by: of its queue
+    (with its length, so no queue and body pair reads as another) and its bytes."""
+    name = queue.encode()
+    return hashlib.sha256(len(name).to_bytes(8, "big") + name + raw).digest()
 
 
 class InboxStore:
@@ -123,8 +132,9 @@ class InboxStore:
             connection.exec_driver_sql(self._queries.text("inbox_fail"), params).first() is not None
         )
 
-    def dead_letter(self, connection: Connection, letter: ConsumeDeadLetter) -> None:
-        connection.exec_driver_sql(
+    def dead_letter(self, connection: Connection, letter: ConsumeDeadLetter) -> bool:
+        """Record the dead letter; False when it is a raw message recorded already."""
+        result = connection.exec_driver_sql(
             self._queries.text("inbox_dead_letter"),
             {
                 "event_id": letter.event_id,
@@ -137,8 +147,10 @@ class InboxStore:
                 "attempts": letter.attempts,
                 "envelope": letter.envelope,
                 "raw_message": letter.raw_message,
+                "raw_digest": letter.raw_digest,
             },
         )
+        return bool(result.rowcount)
 
     def give_up(
         self, connection: Connection, consumer: str, event_ids: Sequence[uuid.UUID], error: str

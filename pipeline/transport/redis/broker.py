@@ -31,9 +31,9 @@ Every message is settled (acknowledged, rejected, requeued) under the Redis id i
 fetched by, never under the ``redis_message_id`` its body names: Dramatiq's fetch returns
 bodies only, so the broker fetches with a script of its own that returns each id with its
 body (:meth:`PipelineRedisBroker.fetch`). A body naming another id than the one it is
-stored under was not written by a Dramatiq client and is dead-lettered like one without
-the option. While Redis is down a
-worker process waits with growing pauses, logging one line per pause (:class:`BrokerOutage`).
+stored under, or another queue than the one it is on, was not written by a Dramatiq
+client and is dead-lettered like one without the option. While Redis is down a worker
+process waits with growing pauses, logging one line per pause (:class:`BrokerOutage`).
 """
 
 from __future__ import annotations
@@ -140,13 +140,19 @@ MISNAMED_REASON = (
     "stored under (not enqueued by a Dramatiq client)"
 )
 
+MISQUEUED_REASON = (
+    "a message whose queue_name names another queue than the one it is on "
+    "(not enqueued by a Dramatiq client)"
+)
+
 BARE_VALUE_REASON = (
     "a bare value on the queue, not a Dramatiq message (nothing was enqueued under it)"
 )
 
 
-def _malformed(message: Message[Any], redis_id: str) -> str | None:
-    """Why a decoded message fetched under ``redis_id`` must not run, or None if it can."""
+def _malformed(message: Message[Any], redis_id: str, queue_name: str) -> str | None:
+    """Why a decoded message fetched under ``redis_id`` from ``queue_name`` must not run,
+    or None if it can."""
     if not isinstance(message.options, dict) or not isinstance(
         message.options.get(REDIS_MESSAGE_ID), str
     ):
@@ -157,6 +163,10 @@ def _malformed(message: Message[Any], redis_id: str) -> str | None:
         return "undecodable message: its args are not a list or its kwargs not an object"
     if not all(isinstance(name, str) for name in (message.queue_name, message.actor_name)):
         return "undecodable message: its queue or actor name is not a string"
+    if message.queue_name != queue_name:
+        # Dramatiq's worker settles a message through the consumer of the queue it names:
+        # another queue's consumer would leave it behind here, to come back.
+        return MISQUEUED_REASON
     return None
 
 
@@ -218,7 +228,7 @@ class WakeableRedisConsumer(_RedisConsumer):
                 except (DecodeError, UnicodeDecodeError, TypeError, KeyError) as exc:
                     self._discard_undecodable(redis_id, data, f"undecodable message: {exc}")
                     continue
-                malformed = _malformed(message, redis_id)
+                malformed = _malformed(message, redis_id, self.queue_name)
                 if malformed is not None:
                     self._discard_undecodable(redis_id, data, malformed)
                     continue
