@@ -149,25 +149,31 @@ def test_unacknowledgeable_and_nul_messages_are_dead_lettered_once_and_removed(
     assert scalar(engine, "SELECT count(*) FROM effects") == 0  # no handler ran
 
 
-@pytest.mark.parametrize(
-    ("args", "kwargs"),
-    [([], {}), ([[], []], {}), ([[]], {"surprise": 1}), ([[]], {"deferrals": "x"})],
-    ids=["no-arguments", "two-arguments", "unknown-keyword", "bad-deferrals"],
-)
+UNFIT_ARGUMENTS = {  # what the inbox actor is called with: (its args, its kwargs)
+    "no-arguments": ([], {}),
+    "two-arguments": ([[], []], {}),
+    "unknown-keyword": ([[]], {"surprise": 1}),
+    "bad-deferrals": ([[]], {"deferrals": "x"}),
+}
+
+
 def test_arguments_a_consumer_cannot_take_are_dead_lettered_at_once(
-    engine, inbox_settings: Settings, tmp_path, args, kwargs
+    engine, inbox_settings: Settings, tmp_path
 ):
+    """Each kind of unfit arguments (one message each, through one real worker) is one
+    dead letter at once, never retried; the worker goes on working."""
     transport = open_transport(inbox_settings, middleware=[])
     try:
-        transport.broker.enqueue(
-            Message(
-                queue_name="pipeline.ledger",
-                actor_name="pipeline_inbox_ledger",
-                args=tuple(args),
-                kwargs=kwargs,
-                options={},
+        for args, kwargs in UNFIT_ARGUMENTS.values():
+            transport.broker.enqueue(
+                Message(
+                    queue_name="pipeline.ledger",
+                    actor_name="pipeline_inbox_ledger",
+                    args=tuple(args),
+                    kwargs=kwargs,
+                    options={},
+                )
             )
-        )
     finally:
         transport.close()
     metrics_dir = tmp_path / "metrics"
@@ -177,16 +183,20 @@ def test_arguments_a_consumer_cannot_take_are_dead_lettered_at_once(
         inbox_settings, APP, log, processes=1, threads=2, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)
     )
     try:
-        wait_until(lambda: len(dead_letters(engine)) >= 1, timeout=30, alive=[worker])
+        wanted = len(UNFIT_ARGUMENTS)
+        wait_until(lambda: len(dead_letters(engine)) >= wanted, timeout=30, alive=[worker])
         produce(engine, [NewEvent("entry.booked", {"order_id": "after"})])
         publish_repeated(inbox_settings, times=1)  # the worker still works afterwards
         wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, alive=[worker])
     finally:
         stop_process(worker)
-    [letter] = dead_letters(engine)
-    assert "message arguments do not fit consumer 'ledger'" in letter["reason"]
-    assert "non-retryable" in letter["reason"]
-    assert letter["envelope"] == {"args": args, "kwargs": kwargs}
+    letters = dead_letters(engine)
+    envelopes = [letter["envelope"] for letter in letters]
+    expected = [{"args": args, "kwargs": kwargs} for args, kwargs in UNFIT_ARGUMENTS.values()]
+    assert sorted(map(repr, envelopes)) == sorted(map(repr, expected))  # one letter each
+    for letter in letters:
+        assert "message arguments do not fit consumer 'ledger'" in letter["reason"]
+        assert "non-retryable" in letter["reason"]
     retried = multiprocess_metric(metrics_dir, "pipeline_inbox_infrastructure_retries_total")
     assert retried == 0
     assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
