@@ -13,6 +13,9 @@ Python process (libfaketime shifts ``clock_gettime(CLOCK_MONOTONIC)`` but not th
 deadlines of ``sem_clockwait``); with it left alone, ``time.sleep`` fails instead
 (libfaketime's ``clock_nanosleep`` returns EINVAL), which Dramatiq's worker loop calls
 and the relay does not: so the worker runs on the true clock.
+
+Within the tolerance (a second), relays whose clocks are off either way deliver a stream
+of ordered events exactly once, in key order, and ``pipeline doctor`` finds nothing wrong.
 """
 
 from __future__ import annotations
@@ -25,13 +28,31 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline import Settings
+from pipeline import NewEvent, Settings
 from pipeline.tools.harness.server import free_port
-from tests.support import pipeline_env, run_cli, start_relay, start_worker, stop_process, wait_until
+from tests.chaos.orders import APP as INBOX_APP
+from tests.chaos.orders import TABLES, scalar
+from tests.support import (
+    installed_settings,
+    pipeline_env,
+    produce,
+    run_cli,
+    start_relay,
+    start_worker,
+    stop_process,
+    wait_until,
+)
 
 APP = "tests.apps.relay_app"
 FAKETIME = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1")
-AHEAD = {"LD_PRELOAD": str(FAKETIME), "FAKETIME": "+5s", "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+
+
+def shifted(offset: str) -> dict[str, str]:
+    """The environment of a process whose wall clock is shifted by ``offset`` (``"+5s"``)."""
+    return {"LD_PRELOAD": str(FAKETIME), "FAKETIME": offset, "FAKETIME_DONT_FAKE_MONOTONIC": "1"}
+
+
+AHEAD = shifted("+5s")
 GAUGE = "pipeline_relay_clock_offset_seconds"
 
 
@@ -118,3 +139,64 @@ def test_clocks_ahead_are_stored_exported_and_named_by_doctor(settings: Settings
     finally:
         for process in (skewed, true, worker):
             stop_process(process)
+
+
+@pytest.mark.skipif(not FAKETIME.exists(), reason=MISSING)
+def test_clocks_off_within_a_second_deliver_every_event_once_in_key_order(
+    settings: Settings, engine, tmp_path
+):
+    """One relay 0.8 s ahead, one 0.8 s behind, a worker on the true clock: an ordered
+    consumer handles every event of several keys once, in key order, and doctor is clean."""
+    keys, steps = 6, 30
+    with installed_settings(settings, engine, TABLES, canary_interval=0) as quick:
+        ahead = start_relay(quick, INBOX_APP, tmp_path / "ahead.log", **shifted("+0.8s"))
+        behind = start_relay(quick, INBOX_APP, tmp_path / "behind.log", **shifted("-0.8s"))
+        worker = start_worker(
+            quick, INBOX_APP, tmp_path / "worker.log", 1, 4, PIPELINE_WORKER_METRICS_PORT="0"
+        )
+        processes = [ahead, behind, worker]
+        try:
+            produce(
+                engine,
+                [
+                    NewEvent("seq.step", {"n": n}, ordering_key=f"key-{k}")
+                    for n in range(steps)
+                    for k in range(keys)
+                ],
+                per_transaction=keys,  # one step of every key per transaction
+            )
+            wait_until(
+                lambda: scalar(engine, "SELECT count(*) FROM seq_log") >= keys * steps,
+                timeout=60,
+                interval=0.2,
+                alive=processes,
+                progress=lambda: scalar(engine, "SELECT count(*) FROM seq_log"),
+            )
+            relays = wait_until(
+                lambda: (
+                    (o := offsets(engine, "relay_state", "relay_id")).get(ahead.pid) is not None
+                    and o.get(behind.pid) is not None
+                    and o
+                ),
+                timeout=30,
+                interval=0.2,
+                alive=processes,
+            )
+            env = pipeline_env(quick, INBOX_APP)
+            doctor = run_cli(["doctor", "--json"], env)
+        finally:
+            for process in processes:
+                stop_process(process)
+        with engine.connect() as conn:
+            rows = conn.exec_driver_sql("SELECT ordering_key, n FROM seq_log ORDER BY id").all()
+
+    assert 0.5 <= relays[ahead.pid] < 1.0, relays
+    assert -1.0 < relays[behind.pid] <= -0.5, relays
+    seen: dict[str, list[int]] = {}
+    for key, n in rows:
+        seen.setdefault(key, []).append(n)
+    assert seen == {f"key-{k}": list(range(steps)) for k in range(keys)}, seen
+    findings = json.loads(doctor.stdout)["findings"]
+    clock = [f for f in findings if f["check"] in ("clock", "relay_clock", "worker_clock")]
+    assert [(f["check"], f["status"]) for f in clock] == [("clock", "ok")], clock
+    assert doctor.returncode == 0, doctor.stdout

@@ -13,8 +13,9 @@ proxy between them, and the drill cuts links instead:
   Postgres (while it holds claims) or Redis (mid-publish);
 * ``zombie-relay``: a relay is paused (``SIGSTOP``) past its lease while its host is cut
   from Postgres; the link heals and then the relay resumes, to find its claims taken over;
-* ``link-degrade``: delay and loss on a worker host's link (``tc netem``), where the
-  kernel has netem.
+* ``link-degrade``: delay and loss on a worker host's link: ``tc netem`` where the kernel
+  has netem; otherwise a token bucket (``tc tbf``) on both ends of the host's link, slow
+  enough that its traffic queues (delay) and overflows the queue (tail drops).
 """
 
 from __future__ import annotations
@@ -44,11 +45,14 @@ NETWORK_DESCRIPTIONS = {
     "partition-relay-postgres": "a relay's host cut from Postgres while it holds claims",
     "partition-relay-broker": "a relay's host cut from Redis mid-publish",
     "zombie-relay": "a relay paused past its lease while cut from Postgres; heals, then resumes",
-    "link-degrade": "delay 50 ms +- 20 ms and 5 % loss on a worker host's link (tc netem)",
+    "link-degrade": "delay 50 ms +- 20 ms and 5 % loss on a worker host's link (tc netem); "
+    "without netem, the link both ways through a 128 kbit/s token bucket (tc tbf): queueing "
+    "delay and tail drops",
 }
 PROXY_KINDS = ("proxy-drop", "proxy-stall")
 """Faults of the proxies, which do not run across hosts (partitions stand in for them)."""
 DEGRADE = (50.0, 20.0, 5.0)  # delay ms, jitter ms, loss %
+THROTTLE = (128, 4096, 100)  # rate kbit/s, burst bytes, queue ms: where netem is missing
 APP_HOST = "app"
 
 
@@ -63,6 +67,8 @@ class DrillHosts:
     """The drill's hosts: ``pg``, ``broker``, ``app``, ``relayN`` and ``workN``."""
 
     network: HostNetwork
+    link_emulation: str | None = None
+    """What ``link-degrade`` uses here, ``"netem"`` or ``"tbf"``: see :meth:`link_problem`."""
 
     @classmethod
     def create(cls, relays: int, workers: int) -> DrillHosts:
@@ -81,12 +87,19 @@ class DrillHosts:
     def of(self, member: Member) -> Host:
         return self.network[host_of(member.name)]
 
-    def netem_problem(self) -> str | None:
-        """Why ``link-degrade`` cannot be done here (this kernel's ``tc`` lacks netem), or None."""
+    def link_problem(self) -> str | None:
+        """Why ``link-degrade`` cannot be done here (this kernel's ``tc`` has neither netem nor
+        tbf), or None, with :attr:`link_emulation` set to the one that works (netem first)."""
         try:
             self.network.degrade(APP_HOST, *DEGRADE)
-        except HostNetworkUnavailable as exc:
-            return str(exc)
+        except HostNetworkUnavailable as no_netem:
+            try:
+                self.network.throttle(APP_HOST, *THROTTLE)
+            except HostNetworkUnavailable as no_tbf:
+                return f"{no_netem}; {no_tbf}"
+            self.link_emulation = "tbf"
+        else:
+            self.link_emulation = "netem"
         self.network.restore(APP_HOST)
         return None
 
@@ -127,17 +140,34 @@ class NetworkFaults:
             return member.name, self._zombie(member, seconds)
         if kind == "link-degrade":
             member = self.rng.choice(self.members.of("worker"))
-            host = host_of(member.name)
-            network.degrade(host, *DEGRADE)
+            return member.name, self._degrade(host_of(member.name), seconds)
+        raise ValueError(f"unknown network fault kind {kind!r}")
+
+    def _degrade(self, host: str, seconds: float) -> str:
+        """Delay and loss on ``host``'s link for ``seconds``: netem, or else a token bucket."""
+        network = self.hosts.network
+        if self.hosts.link_emulation == "tbf":
+            rate, burst, queue = THROTTLE
+            network.throttle(host, rate, burst, queue)
             try:
                 self.wait(seconds)
+                dropped, delayed = network.shaped(host)
             finally:
                 network.restore(host)
-            delay, jitter, loss = DEGRADE
-            return member.name, (
-                f"{host}: {delay:g} ms +- {jitter:g} ms, {loss:g} % loss for {seconds:.1f} s"
+            return (
+                f"{host}: both ways through a token bucket (tc tbf, no netem here) of "
+                f"{rate} kbit/s, burst {burst} B, queue {queue} ms for {seconds:.1f} s: "
+                f"over the rate {delayed} times, {dropped} packets dropped"
             )
-        raise ValueError(f"unknown network fault kind {kind!r}")
+        network.degrade(host, *DEGRADE)
+        try:
+            self.wait(seconds)
+        finally:
+            network.restore(host)
+        delay, jitter, loss = DEGRADE
+        return (
+            f"{host}: {delay:g} ms +- {jitter:g} ms, {loss:g} % loss (tc netem) for {seconds:.1f} s"
+        )
 
     def _zombie(self, member: Member, seconds: float) -> str:
         """Pause the relay, cut it from Postgres, heal, then let it run again."""

@@ -556,12 +556,17 @@ class _Drill:
         self.hosts = hosts
         self.cleanup.push("delete the drill's hosts", hosts.close)
         if "link-degrade" in self.kinds:
-            problem = hosts.netem_problem()
+            problem = hosts.link_problem()
             if problem is not None:
                 if "link-degrade" in options.fault_kinds:
                     raise DrillError(f"fault kind 'link-degrade' cannot be done here: {problem}")
                 self.kinds = tuple(kind for kind in self.kinds if kind != "link-degrade")
                 self.notes.append(f"link-degrade left out: {problem}")
+            elif hosts.link_emulation == "tbf":
+                self.notes.append(
+                    "link-degrade: this kernel has no netem; a token bucket (tc tbf) on the "
+                    "link stands in for delay and loss"
+                )
         stack = contextlib.ExitStack()
         stack.enter_context(hosts["app"].entered())
         self.cleanup.push("leave the app host", stack.close)

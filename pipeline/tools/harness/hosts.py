@@ -11,7 +11,11 @@ way it does between machines:
   keepalives end them, as in a real partition, rather than being refused);
 * :meth:`HostNetwork.isolate` cuts a host from every other (its link on the bridge down);
 * :meth:`HostNetwork.degrade` adds delay and loss on a host's link (``tc netem``, where
-  the kernel has it; :class:`HostNetworkUnavailable` names what is missing otherwise).
+  the kernel has it; :class:`HostNetworkUnavailable` names what is missing otherwise);
+* :meth:`HostNetwork.throttle` squeezes a host's link through a token bucket (``tc tbf``,
+  both ends of its veth), for kernels without netem: packets past the bucket wait in a
+  short queue (delay) and those past the queue are dropped (loss);
+* :meth:`HostNetwork.restore` removes either.
 
 Processes are put on a host in one of two ways: a child process by the argv prefix of
 :meth:`Host.command` (``ip netns exec``, then ``setpriv`` to drop root for servers that
@@ -47,6 +51,7 @@ CLONE_NEWNET = 0x40000000
 SUBNET = ipaddress.ip_network("10.231.0.0/24")
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _OWNED = re.compile(r"^pl(\d+)-")
+_QDISC_STATS = re.compile(r"dropped (\d+), overlimits (\d+)")
 NOWHERE = "02:00:5e:ff:ff:fe"  # a locally administered address no interface here has
 
 
@@ -54,13 +59,14 @@ class HostNetworkUnavailable(PipelineError):
     """This machine (or this process) cannot make hosts: not root, no ``ip``, no netem."""
 
 
-def _run(argv: Sequence[str]) -> None:
+def _run(argv: Sequence[str]) -> str:
     result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
     if result.returncode != 0:
         reason = (result.stderr or result.stdout).strip().splitlines()
         raise HostNetworkUnavailable(
             f"`{' '.join(argv)}` failed: {reason[-1] if reason else f'exit {result.returncode}'}"
         )
+    return result.stdout
 
 
 def host_network_problem() -> str | None:
@@ -245,38 +251,54 @@ class HostNetwork:
     def degrade(self, name: str, delay_ms: float, jitter_ms: float, loss_percent: float) -> None:
         """Delay and loss on every packet ``name`` sends (``tc netem``), until :meth:`restore`."""
         netem = ["netem", "delay", f"{delay_ms}ms", f"{jitter_ms}ms", "loss", f"{loss_percent}%"]
-        _run(
-            [
-                "ip",
-                "netns",
-                "exec",
-                self[name].netns,
-                "tc",
-                "qdisc",
-                "replace",
-                "dev",
-                "eth0",
-                "root",
-                *netem,
-            ]
-        )
+        _run(self._tc(name, "replace", *netem)[0])
+
+    def throttle(self, name: str, rate_kbit: int, burst_bytes: int, latency_ms: int) -> None:
+        """``name``'s link, both ways, through a token bucket (``tc tbf``) until :meth:`restore`.
+
+        Both ends of the host's veth are shaped: ``eth0`` in the host (what it sends) and its
+        port on the bridge (what it receives). Past ``burst_bytes`` a packet waits for tokens
+        at ``rate_kbit``; the queue holds what the rate drains in ``latency_ms``, and packets
+        beyond it are dropped, so traffic over the rate sees queueing delay and tail drops.
+        """
+        tbf = [
+            "tbf", "rate", f"{rate_kbit}kbit", "burst", str(burst_bytes),
+            "latency", f"{latency_ms}ms",
+        ]  # fmt: skip
+        try:
+            for argv in self._tc(name, "replace", *tbf):
+                _run(argv)
+        except BaseException:
+            self.restore(name)
+            raise
 
     def restore(self, name: str) -> None:
-        with contextlib.suppress(HostNetworkUnavailable):  # nothing to remove
-            _run(
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    self[name].netns,
-                    "tc",
-                    "qdisc",
-                    "del",
-                    "dev",
-                    "eth0",
-                    "root",
-                ]
-            )
+        """Undo :meth:`degrade` or :meth:`throttle`: both ends of the link unshaped."""
+        for argv in self._tc(name, "del"):
+            with contextlib.suppress(HostNetworkUnavailable):  # nothing to remove
+                _run(argv)
+
+    def shaped(self, name: str) -> tuple[int, int]:
+        """Packets dropped, and times a packet found the bucket empty (``overlimits``), so far
+        by the qdiscs on ``name``'s link, both ends summed (``tc -s qdisc show``)."""
+        dropped = held = 0
+        for argv in self._tc(name, "show"):
+            argv.insert(argv.index("tc") + 1, "-s")
+            for match in _QDISC_STATS.finditer(_run(argv)):
+                dropped += int(match.group(1))
+                held += int(match.group(2))
+        return dropped, held
+
+    def _tc(self, name: str, verb: str, *qdisc: str) -> list[list[str]]:
+        """``tc qdisc <verb>`` at the root of the host's ``eth0``, then of its bridge port."""
+        host = self[name]
+        return [
+            ["ip", "netns", "exec", host.netns, "tc", "qdisc", verb, "dev", "eth0", "root", *qdisc],
+            [
+                "ip", "netns", "exec", self.switch, "tc", "qdisc", verb,
+                "dev", self._port(host), "root", *qdisc,
+            ],
+        ]  # fmt: skip
 
     def heal_all(self) -> None:
         for pair in list(self._cuts):
