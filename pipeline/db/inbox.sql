@@ -53,16 +53,18 @@ WITH upserted AS (
 SELECT attempts FROM upserted;
 
 -- name: inbox_dead_letter
--- A raw message carries the digest of its queue and bytes: one recorded already (it came
--- back before the broker let go of it) is not recorded again: no row is inserted. (No
--- RETURNING: a consuming role may insert dead letters without reading them.)
+-- A raw message carries the digest of its queue and bytes, a dead letter recorded for a
+-- delivered message the digest of its queue, id, content and part (message_digest): one
+-- recorded already (the message came back before the broker let go of it) is not
+-- recorded again: no row is inserted. (No RETURNING: a consuming role may insert dead
+-- letters without reading them.)
 INSERT INTO {schema}.dead_letters (stage, event_id, consumer, event_type, queue, reason,
                                    error_class, error, attempts, envelope, raw_message,
-                                   raw_digest)
+                                   raw_digest, message_digest)
 VALUES ('consume', %(event_id)s, %(consumer)s, %(event_type)s, %(queue)s, %(reason)s,
         %(error_class)s, %(error)s, %(attempts)s, %(envelope)s::jsonb, %(raw_message)s,
-        %(raw_digest)s)
-ON CONFLICT (raw_digest) WHERE raw_digest IS NOT NULL DO NOTHING;
+        %(raw_digest)s, %(message_digest)s)
+ON CONFLICT DO NOTHING;
 
 -- name: inbox_predecessor_unfinished
 -- Ordered consumers: is an earlier event of this key delivered here but not yet done?

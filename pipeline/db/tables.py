@@ -185,6 +185,9 @@ dead_letters = Table(
     Column("replay_count", Integer, nullable=False, server_default=text("0")),
     # SHA-256 of the queue and the raw bytes of a raw message: one row per such message.
     Column("raw_digest", LargeBinary),
+    # SHA-256 of the queue, id, content and part of a delivered message a dead letter was
+    # recorded for: one row per such dead letter however often the message is delivered.
+    Column("message_digest", LargeBinary),
     CheckConstraint("stage IN ('publish', 'consume')", name="dead_letters_stage_check"),
     Index("dead_letters_created_idx", "stage", "created_at"),
     Index("dead_letters_event_idx", "event_id"),
@@ -193,6 +196,12 @@ dead_letters = Table(
         "raw_digest",
         unique=True,
         postgresql_where=text("raw_digest IS NOT NULL"),
+    ),
+    Index(
+        "dead_letters_message_digest_idx",
+        "message_digest",
+        unique=True,
+        postgresql_where=text("message_digest IS NOT NULL"),
     ),
 )
 

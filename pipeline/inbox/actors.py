@@ -39,7 +39,12 @@ from pipeline.config import Settings
 from pipeline.db.connect import make_engine
 from pipeline.driver_errors import driver_reason, is_outage
 from pipeline.inbox.consumer import definitions
-from pipeline.inbox.processor import InboxProcessor, envelope_id, record_unreadable
+from pipeline.inbox.processor import (
+    DeliveredMessage,
+    InboxProcessor,
+    envelope_id,
+    record_unreadable,
+)
 from pipeline.observability import metrics
 from pipeline.policy import require_retention
 from pipeline.registry import Registry, actor_name_for
@@ -51,6 +56,7 @@ INFRASTRUCTURE_RETRIES = 1000  # at up to a minute apart: most of a day before g
 INFRASTRUCTURE_MIN_BACKOFF_MS = 100
 INFRASTRUCTURE_MAX_BACKOFF_MS = 60_000
 ACTOR_PREFIX = actor_name_for("")
+REJECTED = "rejected"  # the part of a rejected message's dead letter (see DeliveredMessage)
 
 
 class ProcessEngine:
@@ -96,6 +102,17 @@ class InfrastructureRetry(dramatiq.Retry):
 def failure_of(exception: BaseException | None) -> BaseException | None:
     """The exception that failed a message (the outage behind an :class:`InfrastructureRetry`)."""
     return exception.cause if isinstance(exception, InfrastructureRetry) else exception
+
+
+def delivered_message(message: Any) -> DeliveredMessage:
+    """What a Dramatiq message's dead letters are keyed by (:class:`DeliveredMessage`)."""
+    return DeliveredMessage(
+        queue=message.queue_name,
+        message_id=message.message_id,
+        actor_name=message.actor_name,
+        args=list(message.args),
+        kwargs=message.kwargs,
+    )
 
 
 class _CurrentMessage(threading.local):
@@ -220,6 +237,7 @@ class DeadLetterUnknownActors(Middleware):
                 consumer=consumer if message.actor_name.startswith(ACTOR_PREFIX) else None,
                 envelope={"actor_name": message.actor_name, "args": list(message.args)},
                 event_ids=carried,
+                message_digest=delivered_message(message).digest(REJECTED),
             )
         except Exception:  # the message itself stays in Dramatiq's dead-letter queue
             log.exception("could not record a dead letter", extra={"queue": message.queue_name})
@@ -246,11 +264,13 @@ def inbox_function(processor: InboxProcessor) -> Callable[..., None]:
     not fit at once, instead of failing like an infrastructure error and being retried."""
 
     def run(*args: Any, **kwargs: Any) -> None:
+        message = _current.message  # the message this thread runs: dead letters are keyed by it
+        delivered = None if message is None else delivered_message(message)
         envelopes, deferrals = message_arguments(args, kwargs)
         if envelopes is None:
-            retry_outages(processor.dead_letter_arguments, args, kwargs)
+            retry_outages(processor.dead_letter_arguments, args, kwargs, delivered)
             return
-        retry_outages(processor.handle, envelopes, deferrals)
+        retry_outages(processor.handle, envelopes, deferrals, delivered)
 
     return run
 

@@ -43,7 +43,7 @@ from sqlalchemy.orm import Session
 
 from pipeline.config import Settings
 from pipeline.db.ordering import ordering_lock_bucket
-from pipeline.db.stores.inbox import ConsumeDeadLetter, InboxStore, raw_digest
+from pipeline.db.stores.inbox import ConsumeDeadLetter, InboxStore, message_digest, raw_digest
 from pipeline.envelope import EnvelopeError, ReceivedEvent, decode_envelope
 from pipeline.errors import PermissionDeniedError, error_text
 from pipeline.inbox.consumer import ConsumerDefinition
@@ -61,6 +61,45 @@ MAX_OPEN_SAVEPOINTS = 64
 DEFER_DELAY_MAX = 2.0  # the wait doubles with each deferral up to this: a held key costs little
 Resender = Callable[[list[dict[str, Any]], float, int], None]
 """Sends envelopes again after a delay (seconds), with the number of deferrals so far."""
+
+
+@dataclass(frozen=True)
+class DeliveredMessage:
+    """The Dramatiq message being handled, for the dead letters recorded for it: each is
+    keyed by a digest that a redelivery of the same message reproduces (its queue, id and
+    content, and which of its dead letters it is), so it is recorded once."""
+
+    queue: str
+    message_id: str
+    actor_name: str
+    args: Any
+    kwargs: Any
+
+    def digest(self, part: str) -> bytes:
+        """The digest of this message's dead letter ``part`` (:data:`WHOLE_MESSAGE`, or
+        :func:`envelope_part` of one envelope)."""
+        try:
+            content = json.dumps(
+                [self.actor_name, self.args, self.kwargs],
+                sort_keys=True,
+                separators=(",", ":"),
+                ensure_ascii=True,
+            ).encode()
+        except (TypeError, ValueError, RecursionError):
+            content = b""  # not JSON again (too deep): the id alone tells the message
+        return message_digest(self.queue, self.message_id, content, part)
+
+
+WHOLE_MESSAGE = "message"  # a dead letter for the message as a whole
+
+
+def envelope_part(index: int) -> str:
+    """The part of a dead letter for the message's envelope at ``index``."""
+    return f"envelope {index}"
+
+
+def message_digest_of(delivered: DeliveredMessage | None, part: str) -> bytes | None:
+    return None if delivered is None else delivered.digest(part)
 
 
 @dataclass
@@ -120,29 +159,41 @@ class InboxProcessor:
         self.signer = EnvelopeSigner.from_settings(settings, event_source(settings))
 
     # -- a message -------------------------------------------------------------------------
-    def handle(self, envelopes: Any, deferrals: int = 0) -> Outcome:
+    def handle(
+        self, envelopes: Any, deferrals: int = 0, delivered: DeliveredMessage | None = None
+    ) -> Outcome:
         """Process one message's envelopes; re-sends and dead letters are done on return.
 
         ``deferrals`` counts how often these envelopes already waited for a predecessor.
+        Dead letters recorded for the message (``delivered``) are recorded once however
+        often it is delivered.
         """
         outcome = Outcome()
         if not isinstance(envelopes, list) or not envelopes:
             self._dead_letter_unreadable(
-                envelopes, "message argument is not a non-empty list of CloudEvents envelopes"
+                envelopes,
+                "message argument is not a non-empty list of CloudEvents envelopes",
+                message_digest_of(delivered, WHOLE_MESSAGE),
             )
             outcome.dead += 1
             return outcome
         events: list[tuple[dict[str, Any], ReceivedEvent]] = []
-        for envelope in envelopes:
+        for index, envelope in enumerate(envelopes):
             refused = self.signer.verify(envelope, self.subscription.consumer)
             if refused is not None:
-                self._dead_letter_unauthentic(envelope, refused)
+                self._dead_letter_unauthentic(
+                    envelope, refused, message_digest_of(delivered, envelope_part(index))
+                )
                 outcome.dead += 1
                 continue
             try:
                 events.append((envelope, decode_envelope(envelope)))
             except (EnvelopeError, TypeError, ValueError) as exc:
-                self._dead_letter_unreadable(envelope, f"invalid envelope: {exc}")
+                self._dead_letter_unreadable(
+                    envelope,
+                    f"invalid envelope: {exc}",
+                    message_digest_of(delivered, envelope_part(index)),
+                )
                 outcome.dead += 1
         committed = Committed()
         if events:
@@ -514,16 +565,24 @@ class InboxProcessor:
             },
         )
 
-    def dead_letter_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def dead_letter_arguments(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        delivered: DeliveredMessage | None = None,
+    ) -> None:
         """Dead-letter a message whose arguments this consumer's actor cannot take (none,
         several, unknown keywords) at once: retrying it could never succeed."""
         self._dead_letter_unreadable(
             {"args": list(args), "kwargs": kwargs},
             f"message arguments do not fit consumer {self.subscription.consumer!r}: expected "
             "one list of CloudEvents envelopes (non-retryable)",
+            message_digest_of(delivered, WHOLE_MESSAGE),
         )
 
-    def _dead_letter_unauthentic(self, envelope: Any, refused: str) -> None:
+    def _dead_letter_unauthentic(
+        self, envelope: Any, refused: str, digest: bytes | None = None
+    ) -> None:
         """Keep a refused envelope for inspection, attributed to no event: whatever id it
         claims, it must not mark a real event dead nor count as that event's outcome."""
         metrics.unauthentic_messages.labels(self.subscription.consumer, refused).inc()
@@ -536,9 +595,12 @@ class InboxProcessor:
             envelope=envelope,
             error_class="UnauthenticMessage",
             attributed=False,
+            message_digest=digest,
         )
 
-    def _dead_letter_unreadable(self, envelope: Any, reason: str) -> None:
+    def _dead_letter_unreadable(
+        self, envelope: Any, reason: str, digest: bytes | None = None
+    ) -> None:
         record_unreadable(
             self.settings,
             self.engine(),
@@ -546,6 +608,7 @@ class InboxProcessor:
             reason,
             consumer=self.subscription.consumer,
             envelope=envelope,
+            message_digest=digest,
         )
 
 
@@ -562,6 +625,7 @@ def record_unreadable(
     event_ids: Sequence[uuid.UUID] = (),
     error_class: str = "UnprocessableMessage",
     attributed: bool = True,
+    message_digest: bytes | None = None,
 ) -> None:
     """Dead-letter something that is not a processable event, keeping it for inspection.
 
@@ -570,7 +634,9 @@ def record_unreadable(
     unless ``attributed`` is False (an unauthentic envelope: the ids it names are claims).
     NUL characters, which Postgres text cannot hold, are kept escaped as ``\\x00``.
     A ``raw`` message is recorded once per queue and bytes: one that comes back after it
-    was recorded (the worker stopped before the broker let go of it) is not recorded again.
+    was recorded (the worker stopped before the broker let go of it) is not recorded again;
+    nor is a dead letter with a ``message_digest`` (:meth:`DeliveredMessage.digest`)
+    recorded already.
     """
     event_id = envelope_id(envelope) if attributed else None
     carried = list(event_ids) or ([event_id] if event_id is not None else [])
@@ -591,6 +657,7 @@ def record_unreadable(
         envelope=envelope_json,
         raw_message=raw_text,
         raw_digest=raw_digest(queue, raw) if raw is not None else None,
+        message_digest=message_digest,
     )
     store = InboxStore(settings.schema_name)
     try:
@@ -610,7 +677,7 @@ def record_unreadable(
 def _store_unreadable(
     store: InboxStore, engine: Engine, letter: ConsumeDeadLetter, carried: Sequence[uuid.UUID]
 ) -> bool:
-    """Record the dead letter: False when it is a raw message recorded already."""
+    """Record the dead letter: False when one with its digest is recorded already."""
     with engine.begin() as connection:
         if not store.dead_letter(connection, letter):
             return False

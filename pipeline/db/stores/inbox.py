@@ -36,6 +36,7 @@ class ConsumeDeadLetter:
     envelope: str | None = None
     raw_message: str | None = None
     raw_digest: bytes | None = None  # of a raw message: see :func:`raw_digest`
+    message_digest: bytes | None = None  # of a delivered message: see :func:`message_digest`
 
 
 def raw_digest(queue: str, raw: bytes) -> bytes:
@@ -43,6 +44,18 @@ def raw_digest(queue: str, raw: bytes) -> bytes:
     (with its length, so no queue and body pair reads as another) and its bytes."""
     name = queue.encode()
     return hashlib.sha256(len(name).to_bytes(8, "big") + name + raw).digest()
+
+
+def message_digest(queue: str, message_id: str, content: bytes, part: str) -> bytes:
+    """The SHA-256 digest a dead letter recorded for a delivered Dramatiq message is
+    recorded once by: of its queue, its message id, its content (``content``: actor name,
+    arguments and keywords, encoded deterministically, never its options, which Dramatiq
+    rewrites when it retries a message) and ``part``, which of its dead letters this is (the
+    message as a whole, or one envelope of it). A redelivery of the message reproduces it."""
+    digest = hashlib.sha256(b"message")
+    for field in (queue.encode(), message_id.encode(), content, part.encode()):
+        digest.update(len(field).to_bytes(8, "big") + field)
+    return digest.digest()
 
 
 class InboxStore:
@@ -133,7 +146,7 @@ class InboxStore:
         )
 
     def dead_letter(self, connection: Connection, letter: ConsumeDeadLetter) -> bool:
-        """Record the dead letter; False when it is a raw message recorded already."""
+        """Record the dead letter; False when one with its digest is recorded already."""
         result = connection.exec_driver_sql(
             self._queries.text("inbox_dead_letter"),
             {
@@ -148,6 +161,7 @@ class InboxStore:
                 "envelope": letter.envelope,
                 "raw_message": letter.raw_message,
                 "raw_digest": letter.raw_digest,
+                "message_digest": letter.message_digest,
             },
         )
         return bool(result.rowcount)

@@ -1,0 +1,307 @@
+"""A well-formed message the consumer dead-letters itself is recorded once, however often
+it is delivered.
+
+Its dead letters (an unauthentic or undecodable envelope in it, arguments its consumer
+cannot take) are recorded in their own transaction before the message is acknowledged.
+A worker that dies in between leaves both the row and the message, which comes back;
+Dramatiq sends a message again under the same id after an outage, too. Real workers,
+real Redis and Postgres: the second delivery finds the dead letter recorded already.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+from dramatiq.message import Message
+from sqlalchemy import text
+
+from pipeline import NewEvent, Settings
+from pipeline.db.connect import make_engine
+from pipeline.envelope import OutboxEvent, encode_envelope
+from pipeline.inbox.processor import WHOLE_MESSAGE, DeliveredMessage, record_unreadable
+from pipeline.registry import Registry
+from pipeline.relay.drain import Drainer
+from pipeline.runtime import build_runtime
+from pipeline.signing import event_source
+from pipeline.transport.amqp.broker import physical_name
+from pipeline.transport.factory import open_transport
+from pipeline.transport.redis.keys import messages_key, queue_key
+from tests.integration.conftest import drainer_for
+from tests.integration.test_amqp_transport import amqp_channel, amqp_engine, fast_settings
+from tests.integration.test_authenticity import KEY, OTHER_KEY, signed_envelope
+from tests.integration.test_inbox import RepeatingPublisher, inbox_settings, scalar
+from tests.integration.test_queue_garbage import dead_letters, requeue_as_maintenance_does
+from tests.integration.test_roles import Deployment, deployment
+from tests.support import app_registry, produce, start_worker, stop_process, wait_until
+
+__all__ = ["amqp_engine", "deployment", "fast_settings", "inbox_settings"]  # fixtures re-used here
+
+APP = "tests.apps.inbox_app"
+QUEUE, ACTOR = "pipeline.ledger", "pipeline_inbox_ledger"
+HOLD = 42  # the advisory lock the ledger handler takes for an event with "slow" in its data
+
+
+def ledger_event(order_id: str, data: dict[str, Any]) -> OutboxEvent:
+    return OutboxEvent(
+        uuid.uuid4(),
+        1,
+        None,
+        order_id,
+        order_id,
+        "entry.booked",
+        1,
+        json.dumps({"order_id": order_id, **data}),
+        "{}",
+        0,
+        datetime.now(UTC),
+    )
+
+
+def enqueue(settings: Settings, message: Message[Any], times: int = 1) -> None:
+    """Put ``message`` on its queue ``times`` times (each under a Redis id of its own, the
+    same Dramatiq message id: what Dramatiq's own retry of a message looks like)."""
+    transport = open_transport(settings, middleware=[])
+    try:
+        for _ in range(times):
+            transport.broker.enqueue(message)
+    finally:
+        transport.close()
+
+
+def inbox_message(
+    args: tuple[Any, ...], kwargs: dict[str, Any] | None = None, actor: str = ACTOR
+) -> Message[Any]:
+    return Message(queue_name=QUEUE, actor_name=actor, args=args, kwargs=kwargs or {}, options={})
+
+
+def waiting_on_hold(engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(
+            text(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND wait_event = 'advisory' AND datname = current_database()"
+            )
+        ).scalar_one()
+
+
+@pytest.mark.parametrize("bad", ["unauthentic", "undecodable"])
+def test_a_worker_killed_after_recording_a_dead_letter_leaves_one_row(
+    engine, inbox_settings: Settings, tmp_path, bad
+):
+    """A message of a bad envelope and a good event: the worker records the bad one, then
+    the good event's handler waits (on a lock the test holds) and the worker is killed
+    before it could acknowledge the message. The message comes back to the next worker,
+    which runs the handler once and does not record the bad envelope a second time."""
+    settings = inbox_settings.replace(message_key=KEY) if bad == "unauthentic" else inbox_settings
+    source = event_source(settings)
+    good_event = ledger_event("good", {"slow": 0.01})
+    if bad == "unauthentic":
+        rejected = signed_envelope(ledger_event("forged", {}), OTHER_KEY, source)
+        good = signed_envelope(good_event, KEY, source)
+    else:
+        rejected = {**json.loads(encode_envelope(ledger_event("bad", {}), source)), "id": "x"}
+        good = json.loads(encode_envelope(good_event, source))
+    enqueue(settings, inbox_message(([rejected, good],)))
+    client = redis.Redis.from_url(settings.require_redis_url())
+    namespace = settings.redis_namespace
+    hold = engine.connect()
+    try:
+        hold.execute(text("SELECT pg_advisory_lock(:k)"), {"k": HOLD})
+        log = tmp_path / "worker-killed.log"
+        worker = start_worker(settings, APP, log, processes=1, threads=1)
+        try:
+            wait_until(lambda: len(dead_letters(engine)) == 1, timeout=30, alive=[worker])
+            wait_until(lambda: waiting_on_hold(engine) == 1, timeout=30, alive=[worker])
+        finally:
+            stop_process(worker, signal.SIGKILL)
+        hold.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": HOLD})
+        assert client.hlen(messages_key(namespace, QUEUE)) == 1  # never acknowledged
+        requeue_as_maintenance_does(client, namespace, QUEUE)
+        log = tmp_path / "worker.log"
+        worker = start_worker(settings, APP, log, processes=1, threads=1)
+        try:
+            wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, alive=[worker])
+            wait_until(lambda: client.hlen(messages_key(namespace, QUEUE)) == 0, alive=[worker])
+            assert client.llen(queue_key(namespace, QUEUE)) == 0
+        finally:
+            stop_process(worker)
+    finally:
+        hold.close()
+        client.close()
+    letters = dead_letters(engine)
+    assert len(letters) == 1, letters
+    assert letters[0]["class"] == (
+        "UnauthenticMessage" if bad == "unauthentic" else "UnprocessableMessage"
+    )
+    assert scalar(engine, "SELECT count(*) FROM effects") == 1
+    assert "dead-lettered already" in log.read_text(), log.read_text()[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "actor"),
+    [
+        ([], {}, ACTOR),
+        ([[]], {}, ACTOR),
+        ([["not an envelope"]], {}, ACTOR),
+        ([[]], {"surprise": 1}, ACTOR),
+        ([[]], {}, "pipeline_inbox_ghost"),
+    ],
+    ids=[
+        "arguments-do-not-fit",
+        "no-envelopes",
+        "envelope-not-an-object",
+        "unknown-keyword",
+        "unknown-actor",
+    ],
+)
+def test_a_message_delivered_again_under_its_id_is_dead_lettered_once(
+    engine, inbox_settings: Settings, tmp_path, args, kwargs, actor
+):
+    """The same Dramatiq message delivered twice (as after a worker died before it
+    acknowledged it, or as Dramatiq retries it): one dead letter. A message with the same
+    content under another id is another message, and is recorded too."""
+    message = inbox_message(tuple(args), kwargs, actor)
+    enqueue(inbox_settings, message, times=2)
+    enqueue(inbox_settings, inbox_message(tuple(args), kwargs, actor))  # another message id
+    client = redis.Redis.from_url(inbox_settings.require_redis_url())
+    namespace = inbox_settings.redis_namespace
+    log = tmp_path / "worker.log"
+    worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
+    try:
+        wait_until(lambda: client.hlen(messages_key(namespace, QUEUE)) == 0, alive=[worker])
+        wait_until(lambda: client.llen(queue_key(namespace, QUEUE)) == 0, alive=[worker])
+    finally:
+        stop_process(worker)
+        client.close()
+    letters = dead_letters(engine)
+    assert len(letters) == 2, letters
+    assert letters[0]["reason"] == letters[1]["reason"]
+    assert "dead-lettered already" in log.read_text(), log.read_text()[-3000:]
+    if actor == ACTOR:  # (Dramatiq itself logs a traceback for an unknown actor)
+        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def test_an_event_whose_handler_failed_every_retry_is_dead_lettered_once(
+    engine, inbox_settings: Settings, tmp_path
+):
+    """The ordinary dead letter (a handler that failed every retry) is recorded in the
+    transaction that marks the event dead in its inbox row (one per consumer and event,
+    ``inbox_pkey``): the event delivered again afterwards is a duplicate, not a second
+    dead letter. Two copies of the event, both retried to the end by a real worker."""
+    produce(engine, [NewEvent("order.placed", {"order_id": "doomed"})])
+    routes = Registry()
+    routes.subscribe("payments", ["order.placed"])
+    runtime = build_runtime(inbox_settings, routes, set_global_broker=False)
+    try:
+        conn = psycopg.connect(inbox_settings.require_database_url(), autocommit=True)
+        publisher = RepeatingPublisher(runtime.publisher, 2)
+        drainer = Drainer(inbox_settings, publisher, routes, "t", conn)
+        while drainer.run_batch().claimed:
+            pass
+        conn.close()
+    finally:
+        runtime.close()
+    client = redis.Redis.from_url(inbox_settings.require_redis_url())
+    namespace, queue = inbox_settings.redis_namespace, "pipeline.payments"
+    worker = start_worker(
+        inbox_settings, APP, tmp_path / "worker.log", processes=1, threads=2, TEST_FAIL_RATE="1"
+    )
+    try:
+        wait_until(lambda: len(dead_letters(engine)) >= 1, timeout=60, alive=[worker])
+        wait_until(lambda: client.hlen(messages_key(namespace, queue)) == 0, alive=[worker])
+    finally:
+        stop_process(worker)
+        client.close()
+    letters = dead_letters(engine)
+    assert len(letters) == 1, letters
+    assert letters[0]["reason"].startswith("gave up after"), letters  # two copies: 21 or more
+    status = scalar(engine, "SELECT status FROM pipeline.inbox WHERE consumer = 'payments'")
+    assert status == "dead"
+
+
+def test_on_rabbitmq_a_message_delivered_twice_is_dead_lettered_once(
+    amqp_engine, fast_settings: Settings, tmp_path
+):
+    """The same bodies published twice on a RabbitMQ queue (what a redelivery after a
+    worker died looks like there): arguments that do not fit, an undecodable envelope, an
+    unknown actor. A real worker records each once."""
+    bodies = [
+        json.dumps(
+            {
+                "queue_name": QUEUE,
+                "actor_name": actor,
+                "args": args,
+                "kwargs": {},
+                "options": {},
+                "message_id": str(uuid.uuid4()),
+                "message_timestamp": 0,
+            }
+        ).encode()
+        for actor, args in [
+            (ACTOR, []),
+            (ACTOR, [[{"specversion": "1.0", "id": "x"}]]),
+            ("pipeline_inbox_ghost", [[]]),
+        ]
+    ]
+    runtime = build_runtime(fast_settings, app_registry(APP), set_global_broker=False)
+    try:
+        runtime.broker.declare_queue(QUEUE, ensure=True)
+        connection, channel = amqp_channel(fast_settings)
+        try:
+            for body in bodies * 2:
+                channel.basic_publish(  # type: ignore[attr-defined]
+                    exchange="",
+                    routing_key=physical_name(fast_settings.redis_namespace, QUEUE),
+                    body=body,
+                )
+        finally:
+            connection.close()
+        log = tmp_path / "worker.log"
+        worker = start_worker(fast_settings, APP, log, processes=1, threads=2)
+        try:
+            wait_until(lambda: len(dead_letters(amqp_engine)) >= 3, timeout=60, alive=[worker])
+            produce(amqp_engine, [NewEvent("entry.booked", {"order_id": "after"})])
+            drainer = drainer_for(runtime)
+            while drainer.run_batch().claimed:  # behind the six: all were handled once it is
+                pass
+            wait_until(
+                lambda: scalar(amqp_engine, "SELECT count(*) FROM effects") == 1,
+                timeout=60,
+                alive=[worker],
+            )
+        finally:
+            stop_process(worker)
+    finally:
+        runtime.close()
+    letters = dead_letters(amqp_engine)
+    assert len(letters) == 3, letters
+    assert log.read_text().count("dead-lettered already") == 3, log.read_text()[-3000:]
+
+
+def test_the_worker_role_records_a_message_dead_letter_once(deployment: Deployment):
+    """The consuming role has INSERT only on ``dead_letters``: skipping a digest recorded
+    already needs no more."""
+    settings = deployment.settings("worker")
+    worker_engine = make_engine(settings)
+    delivered = DeliveredMessage(QUEUE, str(uuid.uuid4()), ACTOR, [], {})
+    try:
+        for _ in range(2):
+            record_unreadable(
+                settings,
+                worker_engine,
+                QUEUE,
+                "arguments",
+                consumer="ledger",
+                envelope={"args": []},
+                message_digest=delivered.digest(WHOLE_MESSAGE),
+            )
+    finally:
+        worker_engine.dispose()
+    assert deployment.admin("SELECT count(*) FROM pipeline.dead_letters") == [(1,)]
