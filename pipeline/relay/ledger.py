@@ -26,10 +26,12 @@ The inbox absorbs any copy that was not needed after all. One relay sweeps at a 
 
 When the transport says it lost what it held (:meth:`Publisher.forgot`: a Redis that
 restarted empty), the next sweep does not wait for the horizon: every unfinished delivery
-handed over before then is owed at once (a worker that holds one still skips it, and
-what was sent after the loss waits on its queue, younger than the cutoff). The clock
-margin is dropped then: the last second before the loss was lost too, and a copy too many
-is absorbed by the inbox, where one too few would wait for the horizon.
+handed over before the sweep is owed at once (a worker that holds one still skips it).
+The queues are not consulted then: a message waiting on them may have been carried over
+from a worker's memory (an ordered event deferred, or a retry, before the loss), with a
+timestamp from before the loss, and would hold back deliveries the broker forgot until the
+horizon. What was sent between the loss and the sweep is sent a second time; a copy too
+many is absorbed by the inbox, where one too few would wait for the horizon.
 """
 
 from __future__ import annotations
@@ -122,8 +124,11 @@ class DeliveryLedger:
         names = sorted(subscriptions)
         cutoffs = []
         for name in names:
+            if forgotten:  # what waits on the queues says nothing of what was lost
+                cutoffs.append(horizon_cutoff)
+                continue
             waiting = self.publisher.oldest_waiting(subscriptions[name].queue)
-            if waiting is not None and not forgotten:  # enqueued on another clock: a margin
+            if waiting is not None:  # enqueued on another clock: a margin
                 waiting -= CLOCK_MARGIN
             cutoffs.append(horizon_cutoff if waiting is None else min(horizon_cutoff, waiting))
         rows = self.store.owed(

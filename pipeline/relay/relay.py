@@ -25,7 +25,9 @@ An idle relay refreshes its heartbeat in ``relay_state`` every
 tells a live idle relay from a stale or gone one; each heartbeat also measures this
 host's clock against the database's (``pipeline_relay_clock_offset_seconds``). Between
 cycles the loop also commits the canary, runs the delivery ledger's sweep
-(``ledger.py``) and counts the backlog against its warning threshold (``backlog.py``);
+(``ledger.py``; at once after an outage, so a broker that came back empty is noticed
+without waiting for the next sweep) and counts the backlog against its warning threshold
+(``backlog.py``);
 the janitor (``janitor.py``) prunes on a thread of its own.
 """
 
@@ -295,6 +297,9 @@ class Relay:
             found, backlog = self._cycle(drainer)
             if self._backoff.reset():
                 log.info("relay recovered: publishing again", extra={"relay_id": self.relay_id})
+                # A broker that came back may have come back empty: ask now, not at the
+                # next sweep, so what it forgot is sent again without waiting.
+                self._next_sweep = 0.0
             if rule.busy_after(time.monotonic(), found, backlog, self.busy):
                 self._set_busy(conn, True)  # also refreshes a busy relay's heartbeat
             elif self.busy:

@@ -7,10 +7,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import dramatiq
 import pytest
 import redis
+from dramatiq.common import dq_name
 from dramatiq.message import Message
 
+from pipeline.transport.redis import broker as broker_module
 from pipeline.transport.redis.broker import PipelineRedisBroker, make_broker
 from pipeline.transport.redis.encoding import REDIS_MESSAGE_ID
 from pipeline.transport.redis.keys import (
@@ -20,6 +23,7 @@ from pipeline.transport.redis.keys import (
     queue_key,
     wake_key,
 )
+from tests.support import wait_until
 
 QUEUE = "wake_test"
 
@@ -248,3 +252,36 @@ def test_a_fetched_message_is_in_the_acks_set_the_broker_computes_until_acked(br
     assert broker.client.smembers(key) == set()
     assert broker.client.hlen(messages_key(broker.namespace, QUEUE)) == 0
     consumer.close()
+
+
+def test_a_delay_queue_consumer_survives_redis_going_away_while_it_moves_a_due_message(
+    settings, private_redis, monkeypatch
+):
+    """Redis is killed after the delay queue's consumer fetched two delayed messages and
+    before the first comes due: moving it fails, and so does putting the other one back.
+    The consumer thread must start again once Redis is back (Dramatiq's thread ends on a
+    Redis error), so a message delayed later still runs."""
+    monkeypatch.setattr(broker_module, "BLIP_SECONDS", 0.2)  # give up on the blip sooner
+    broker = make_broker(settings.replace(redis_url=private_redis.url))
+    ran: list[int] = []
+
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, actor_name="delayed_noop", max_retries=0)
+    def delayed_noop(n: int) -> None:
+        ran.append(n)
+
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=100)
+    worker.start()
+    try:
+        delayed_noop.send_with_options(args=(1,), delay=1500)
+        delayed_noop.send_with_options(args=(3,), delay=600_000)  # held while the first fails
+        delay_queue = queue_key(broker.namespace, dq_name(QUEUE))
+        wait_until(lambda: broker.client.llen(delay_queue) == 0, timeout=10)  # fetched
+        private_redis.kill()
+        time.sleep(2.5)  # past the message's due time: moving and requeueing it both fail
+        private_redis.start()
+        delayed_noop.send_with_options(args=(2,), delay=100)
+        wait_until(lambda: 2 in ran, timeout=30)
+        assert all(thread.is_alive() for thread in worker.consumers.values())
+    finally:
+        worker.stop(timeout=5000)
+        broker.close()

@@ -34,6 +34,16 @@ body (:meth:`PipelineRedisBroker.fetch`). A body naming another id than the one 
 stored under, or another queue than the one it is on, was not written by a Dramatiq
 client and is dead-lettered like one without the option. While Redis is down a worker
 process waits with growing pauses, logging one line per pause (:class:`BrokerOutage`).
+
+A Redis that drops its connections for a moment (a restart, a failover) is ridden out
+where Dramatiq would wait seconds or lose a consumer: an acknowledgement, an enqueue (a
+retry, a deferred event, a delayed message coming due) and a requeue are tried again for
+up to ``BLIP_SECONDS`` (:func:`through_blip`) before they fail. Dramatiq's worker thread
+waits 5 s before it tries a failed acknowledgement again, and its consumer thread restarts
+3 s after an enqueue of a due delayed message failed; a requeue that still fails then
+raises Dramatiq's ``ConnectionClosed``, which that consumer thread survives, where a
+Redis error would end the thread and leave the queue's delayed messages unmoved for the
+life of the worker process.
 """
 
 from __future__ import annotations
@@ -42,9 +52,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from dramatiq.broker import MessageProxy
@@ -79,6 +89,33 @@ def _log_missing_bodies(queue_name: str, duplicates: int, lost: int) -> None:
         "dropped message ids without a body",
         extra={"queue": queue_name, "duplicates": duplicates, "lost": lost},
     )
+
+
+T = TypeVar("T")
+BLIP_SECONDS = 2.0
+"""How long an acknowledgement, enqueue or requeue is tried again through connection errors."""
+BLIP_FIRST_PAUSE = 0.05
+BLIP_MAX_PAUSE = 0.5
+
+
+def through_blip(call: Callable[[], T]) -> T:
+    """``call()``, tried again through connection errors for up to ``BLIP_SECONDS``
+    (pauses from ``BLIP_FIRST_PAUSE`` doubling to ``BLIP_MAX_PAUSE``), then the last error.
+
+    Only for calls that may run twice: a settlement (acknowledging an id twice is once) or
+    an enqueue (a second copy, if the first reached Redis before its reply was lost, is a
+    duplicate the inbox absorbs).
+    """
+    deadline = time.monotonic() + BLIP_SECONDS
+    pause = BLIP_FIRST_PAUSE
+    while True:
+        try:
+            return call()
+        except (redis.ConnectionError, redis.TimeoutError):
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, BLIP_MAX_PAUSE)
 
 
 # Finished message ids are remembered per queue, the last PIPELINE_FINISHED_IDS_KEPT of
@@ -291,7 +328,7 @@ class WakeableRedisConsumer(_RedisConsumer):
         """Dramatiq's ack or nack, by the id the message was fetched under."""
         redis_id = _fetched_id(message)
         try:
-            self._settle(command, redis_id)
+            through_blip(lambda: self._settle(command, redis_id))
         except redis.ConnectionError as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
         finally:
@@ -318,11 +355,20 @@ class WakeableRedisConsumer(_RedisConsumer):
             raise results[-1]
 
     def requeue(self, messages: Iterable[MessageProxy]) -> None:
-        """Dramatiq's requeue (a stopping worker's unprocessed messages) by the ids they were
-        fetched under, then a wake-up."""
+        """Dramatiq's requeue (a stopping worker's unprocessed messages, or a consumer
+        thread's delayed ones when it restarts) by the ids they were fetched under, then a
+        wake-up.
+
+        A Redis that stays unreachable past ``BLIP_SECONDS`` raises ``ConnectionClosed``:
+        Dramatiq's consumer thread survives that and starts again, where a Redis error
+        would end it. The ids stay in this consumer's un-acked set.
+        """
         redis_ids = [_fetched_id(message) for message in messages]
         if redis_ids:
-            self.broker.do_requeue(self.queue_name, *redis_ids)
+            try:
+                through_blip(lambda: self.broker.do_requeue(self.queue_name, *redis_ids))
+            except redis.RedisError as exc:
+                raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
             self.broker.wake(self.queue_name)
 
     def _sort_out_bare_values(self) -> None:
@@ -407,8 +453,10 @@ class PipelineRedisBroker(RedisBroker):
         return WakeableRedisConsumer
 
     def enqueue(self, message: Message[Any], *, delay: int | None = None) -> Message[Any]:
-        """Dramatiq's enqueue (actor sends, re-sends, due delayed messages), then a wake-up."""
-        enqueued: Message[Any] = super().enqueue(message, delay=delay)
+        """Dramatiq's enqueue (actor sends, re-sends, due delayed messages), then a wake-up;
+        tried again through a connection blip (:func:`through_blip`)."""
+        enqueue = super().enqueue
+        enqueued: Message[Any] = through_blip(lambda: enqueue(message, delay=delay))
         self.wake(enqueued.queue_name)
         return enqueued
 
