@@ -17,14 +17,19 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import pytest
+import redis
 from sqlalchemy import text
 
 from pipeline import NewEvent, Settings
 from pipeline.observability.metrics import REDELIVERY_REASONS
 from pipeline.testhooks import PAUSE_BEFORE_COMMIT
+from pipeline.tools.drill.proxy import ProxyProcess
+from pipeline.tools.harness.fleet import Fleet
+from pipeline.transport.redis.keys import acks_key, messages_key
 from tests.support import (
     QUICK_FAULTS,
     SOAK,
@@ -345,3 +350,57 @@ def test_a_claim_that_gives_up_waiting_is_retried_with_one_line(engine, pause_se
     lines = [line for line in text_.splitlines() if "gave up waiting" in line]
     assert lines and all("PIPELINE_LOCK_TIMEOUT_MS" in line for line in lines), lines
     assert scalar(engine, "SELECT count(*) FROM pipeline.outbox WHERE status = 'sent'") == len(ids)
+
+
+def test_an_acknowledgement_that_times_out_is_tried_again_not_left_behind(
+    pause_settings: Settings, engine, tmp_path
+):
+    """The worker's link to Redis stalls while its handler runs, so the acknowledgement's
+    read times out (a slow or lossy link, a Sentinel master mid-failover). The worker tries
+    the acknowledgement again until Redis answers: the message does not stay in the live
+    worker's un-acked set, where the delivery ledger would count it in flight for the life
+    of the process and hold back every re-send on its queue."""
+    redis_url = pause_settings.require_redis_url()
+    target = urlsplit(redis_url)
+    fleet = Fleet()
+    relay = worker = None
+    log = tmp_path / "worker.log"
+    client = redis.Redis.from_url(redis_url)
+    try:
+        with (tmp_path / "proxy.log").open("ab") as proxy_log:
+            proxy = ProxyProcess.start(
+                fleet, target.hostname or "127.0.0.1", target.port or 6379, proxy_log
+            )
+        through = urlunsplit(
+            target._replace(netloc=f"127.0.0.1:{proxy.port}", query="socket_timeout=1")
+        )
+        relay = start_relay(pause_settings, APP, tmp_path / "relay.log")
+        worker = start_worker(
+            pause_settings.replace(redis_url=through), APP, log, TEST_HANDLER_SLEEP="2"
+        )
+        namespace, queue = pause_settings.redis_namespace, "pipeline.effects"
+        produce(engine, [NewEvent("order.placed", {"n": 1}, ordering_key="k")])
+
+        def unacked() -> int:
+            keys = client.scan_iter(match=acks_key(namespace, "*", queue), count=1000)
+            return sum(client.scard(key) for key in keys)
+
+        wait_until(lambda: unacked() == 1, timeout=60, alive=[relay, worker])  # in hand
+        assert proxy.command("stall 6").startswith("stalled")  # the handler ends meanwhile
+        wait_until(lambda: scalar(engine, "SELECT count(*) FROM pause_effects") == 1, timeout=30)
+        # acknowledged once Redis answers again: nothing left un-acked or stored
+        wait_until(
+            lambda: unacked() == 0 and client.hlen(messages_key(namespace, queue)) == 0,
+            timeout=60,
+            alive=[relay, worker],
+        )
+        content = log.read_text(errors="replace")
+        assert "Unhandled error during post_process_message" not in content, content[-3000:]
+        assert "due to a connection error" in content  # Dramatiq's own retry line
+        assert scalar(engine, "SELECT count(*) FROM pause_effects") == 1
+    finally:
+        for process in (worker, relay):
+            if process is not None:
+                stop_process(process)
+        client.close()
+        fleet.close()

@@ -325,14 +325,27 @@ class WakeableRedisConsumer(_RedisConsumer):
         self._finish("nack", message)
 
     def _finish(self, command: str, message: MessageProxy) -> None:
-        """Dramatiq's ack or nack, by the id the message was fetched under."""
+        """Dramatiq's ack or nack, by the id the message was fetched under.
+
+        A settlement that Redis did not answer (a lost connection, a read that timed out,
+        a master demoted to a read-only replica mid-failover) is raised as Dramatiq's
+        connection error, on which Dramatiq's worker tries it again until Redis answers;
+        the id stays held meanwhile. Any other failure leaves the id in this consumer's
+        un-acked set with nobody holding it, so the next fetch puts it back on the queue
+        (:meth:`_requeue_orphans`) rather than leaving it there for the life of this
+        process, where the delivery ledger would take it for in flight and hold back the
+        queue's re-sends; the inbox absorbs the second delivery.
+        """
         redis_id = _fetched_id(message)
         try:
             through_blip(lambda: self._settle(command, redis_id))
-        except redis.ConnectionError as exc:
+        except (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError) as exc:
             raise ConnectionClosed(exc) from None  # type: ignore[no-untyped-call]
-        finally:
+        except BaseException:
             self.queued_message_ids.discard(redis_id)
+            self._orphans_possible = True
+            raise
+        self.queued_message_ids.discard(redis_id)
 
     def _settle(self, command: str, redis_id: str) -> None:
         """Dramatiq's ack or nack of ``redis_id``, after recording it among the queue's
