@@ -64,6 +64,7 @@ LONGEST_FIRST = (
     "integration/test_demo.py",  # 37
     "chaos/test_outages.py",  # 36
     "integration/test_dlq.py",  # 32
+    "integration/test_dead_letter_once.py",
     "integration/test_inbox.py",  # 31
     "integration/test_queue_garbage.py",  # 31
     "chaos/test_broker_losses.py",  # 30

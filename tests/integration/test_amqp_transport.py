@@ -36,6 +36,7 @@ from pipeline.transport.factory import open_transport
 from pipeline.transport.publisher import Delivery
 from tests.integration.conftest import drainer_for
 from tests.integration.test_inbox import TABLES
+from tests.integration.test_queue_garbage import dead_letters
 from tests.support import (
     app_registry,
     pipeline_env,
@@ -44,6 +45,8 @@ from tests.support import (
     run_cli,
     running_pipeline,
     running_worker,
+    start_worker,
+    stop_process,
     wait_until,
 )
 
@@ -503,3 +506,65 @@ def test_signed_envelopes_flow_on_rabbitmq(amqp_engine, fast_settings):
         assert runtime.publisher.signer.signing  # type: ignore[attr-defined]
     finally:
         runtime.close()
+
+
+GARBAGE_QUEUE, GARBAGE_ACTOR = "pipeline.ledger", "pipeline_inbox_ledger"
+
+
+def test_on_rabbitmq_a_message_delivered_twice_is_dead_lettered_once(
+    amqp_engine, fast_settings: Settings, tmp_path
+):
+    """The same bodies published twice on a RabbitMQ queue (what a redelivery after a
+    worker died looks like there): arguments that do not fit, an undecodable envelope, an
+    unknown actor. A real worker records each once."""
+    bodies = [
+        json.dumps(
+            {
+                "queue_name": GARBAGE_QUEUE,
+                "actor_name": actor,
+                "args": args,
+                "kwargs": {},
+                "options": {},
+                "message_id": str(uuid.uuid4()),
+                "message_timestamp": 0,
+            }
+        ).encode()
+        for actor, args in [
+            (GARBAGE_ACTOR, []),
+            (GARBAGE_ACTOR, [[{"specversion": "1.0", "id": "x"}]]),
+            ("pipeline_inbox_ghost", [[]]),
+        ]
+    ]
+    runtime = build_runtime(fast_settings, app_registry(APP), set_global_broker=False)
+    try:
+        runtime.broker.declare_queue(GARBAGE_QUEUE, ensure=True)
+        connection, channel = amqp_channel(fast_settings)
+        try:
+            for body in bodies * 2:
+                channel.basic_publish(  # type: ignore[attr-defined]
+                    exchange="",
+                    routing_key=physical_name(fast_settings.redis_namespace, GARBAGE_QUEUE),
+                    body=body,
+                )
+        finally:
+            connection.close()
+        log = tmp_path / "worker.log"
+        worker = start_worker(fast_settings, APP, log, processes=1, threads=2)
+        try:
+            wait_until(lambda: len(dead_letters(amqp_engine)) >= 3, timeout=60, alive=[worker])
+            produce(amqp_engine, [NewEvent("entry.booked", {"order_id": "after"})])
+            drainer = drainer_for(runtime)
+            while drainer.run_batch().claimed:  # behind the six: all were handled once it is
+                pass
+            wait_until(
+                lambda: scalar(amqp_engine, "SELECT count(*) FROM effects") == 1,
+                timeout=60,
+                alive=[worker],
+            )
+        finally:
+            stop_process(worker)
+    finally:
+        runtime.close()
+    letters = dead_letters(amqp_engine)
+    assert len(letters) == 3, letters
+    assert log.read_text().count("dead-lettered already") == 3, log.read_text()[-3000:]

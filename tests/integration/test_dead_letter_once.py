@@ -30,18 +30,15 @@ from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
 from pipeline.signing import event_source
-from pipeline.transport.amqp.broker import physical_name
 from pipeline.transport.factory import open_transport
 from pipeline.transport.redis.keys import messages_key, queue_key
-from tests.integration.conftest import drainer_for
-from tests.integration.test_amqp_transport import amqp_channel, amqp_engine, fast_settings
 from tests.integration.test_authenticity import KEY, OTHER_KEY, signed_envelope
 from tests.integration.test_inbox import RepeatingPublisher, inbox_settings, scalar
 from tests.integration.test_queue_garbage import dead_letters, requeue_as_maintenance_does
 from tests.integration.test_roles import Deployment, deployment
-from tests.support import app_registry, produce, start_worker, stop_process, wait_until
+from tests.support import produce, start_worker, stop_process, wait_until
 
-__all__ = ["amqp_engine", "deployment", "fast_settings", "inbox_settings"]  # fixtures re-used here
+__all__ = ["deployment", "inbox_settings"]  # fixtures re-used here
 
 APP = "tests.apps.inbox_app"
 QUEUE, ACTOR = "pipeline.ledger", "pipeline_inbox_ledger"
@@ -224,65 +221,6 @@ def test_an_event_whose_handler_failed_every_retry_is_dead_lettered_once(
     assert letters[0]["reason"].startswith("gave up after"), letters  # two copies: 21 or more
     status = scalar(engine, "SELECT status FROM pipeline.inbox WHERE consumer = 'payments'")
     assert status == "dead"
-
-
-def test_on_rabbitmq_a_message_delivered_twice_is_dead_lettered_once(
-    amqp_engine, fast_settings: Settings, tmp_path
-):
-    """The same bodies published twice on a RabbitMQ queue (what a redelivery after a
-    worker died looks like there): arguments that do not fit, an undecodable envelope, an
-    unknown actor. A real worker records each once."""
-    bodies = [
-        json.dumps(
-            {
-                "queue_name": QUEUE,
-                "actor_name": actor,
-                "args": args,
-                "kwargs": {},
-                "options": {},
-                "message_id": str(uuid.uuid4()),
-                "message_timestamp": 0,
-            }
-        ).encode()
-        for actor, args in [
-            (ACTOR, []),
-            (ACTOR, [[{"specversion": "1.0", "id": "x"}]]),
-            ("pipeline_inbox_ghost", [[]]),
-        ]
-    ]
-    runtime = build_runtime(fast_settings, app_registry(APP), set_global_broker=False)
-    try:
-        runtime.broker.declare_queue(QUEUE, ensure=True)
-        connection, channel = amqp_channel(fast_settings)
-        try:
-            for body in bodies * 2:
-                channel.basic_publish(  # type: ignore[attr-defined]
-                    exchange="",
-                    routing_key=physical_name(fast_settings.redis_namespace, QUEUE),
-                    body=body,
-                )
-        finally:
-            connection.close()
-        log = tmp_path / "worker.log"
-        worker = start_worker(fast_settings, APP, log, processes=1, threads=2)
-        try:
-            wait_until(lambda: len(dead_letters(amqp_engine)) >= 3, timeout=60, alive=[worker])
-            produce(amqp_engine, [NewEvent("entry.booked", {"order_id": "after"})])
-            drainer = drainer_for(runtime)
-            while drainer.run_batch().claimed:  # behind the six: all were handled once it is
-                pass
-            wait_until(
-                lambda: scalar(amqp_engine, "SELECT count(*) FROM effects") == 1,
-                timeout=60,
-                alive=[worker],
-            )
-        finally:
-            stop_process(worker)
-    finally:
-        runtime.close()
-    letters = dead_letters(amqp_engine)
-    assert len(letters) == 3, letters
-    assert log.read_text().count("dead-lettered already") == 3, log.read_text()[-3000:]
 
 
 def test_the_worker_role_records_a_message_dead_letter_once(deployment: Deployment):
