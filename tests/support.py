@@ -437,6 +437,38 @@ def start_relay(
     return start_process(cli_argv("relay", *args), pipeline_env(settings, app, **env), log)
 
 
+def _group_threads(group: int) -> list[str]:
+    """The states (``/proc``'s one-letter codes) of every thread of process group ``group``."""
+    states: list[str] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) != group:
+                continue
+            for task in os.listdir(f"/proc/{entry}/task"):
+                task_stat = Path(f"/proc/{entry}/task/{task}/stat").read_text()
+                states.append(task_stat.rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue  # the process or thread ended meanwhile
+    return states
+
+
+def freeze_group(group: int, timeout: float = 30) -> None:
+    """SIGSTOP process group ``group`` and return once every thread of it has stopped.
+
+    ``killpg`` only queues the signal: each thread stops when it is next scheduled, which on
+    a busy machine can be tens of milliseconds later, long enough to run a few statements.
+    """
+    os.killpg(group, signal.SIGSTOP)
+    wait_until(
+        lambda: all(state in "tTZX" for state in _group_threads(group)),  # or dead
+        timeout=timeout,
+        interval=0.005,
+    )
+
+
 def stop_process(process: subprocess.Popen[bytes], sig: int = signal.SIGTERM) -> None:
     """SIGTERM the main process (it stops its own children); SIGKILL the whole group."""
     if process.poll() is None:

@@ -31,6 +31,32 @@ WHERE o.status = 'sent' AND o.published_at > %(since)s AND o.published_at <= %(u
   )
 ON CONFLICT (consumer, event_id) DO NOTHING;
 
+-- name: ledger_unaccounted
+-- What ledger_account would record, one delivery a row in publication order: its
+-- row-by-row form, used when a worker's claim of one of them (an inbox row inserted by a
+-- transaction still open) holds the one-statement form up.
+SELECT c.consumer, o.id, o.published_at
+FROM {schema}.outbox o
+CROSS JOIN LATERAL unnest(o.consumers) AS c (consumer)
+WHERE o.status = 'sent' AND o.published_at > %(since)s AND o.published_at <= %(until)s
+  AND NOT EXISTS (
+      SELECT 1 FROM {schema}.inbox x WHERE x.consumer = c.consumer AND x.event_id = o.id
+  )
+ORDER BY o.published_at, o.id;
+
+-- name: ledger_account_one
+-- One delivery of ledger_unaccounted recorded as owed (as ledger_account does).
+INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq, status,
+                                 delivered_at)
+SELECT %(consumer)s, o.id, o.event_type, o.ordering_key, o.seq, 'pending', o.published_at
+FROM {schema}.outbox o
+WHERE o.id = %(event_id)s
+ON CONFLICT (consumer, event_id) DO NOTHING;
+
+-- name: ledger_lock_wait
+-- Set the transaction's lock_timeout (wait); returns the one it replaces.
+SELECT current_setting('lock_timeout'), set_config('lock_timeout', %(wait)s, true);
+
 -- name: ledger_advance
 UPDATE {schema}.delivery_sweep SET swept_to = %(until)s, sweeps = sweeps + 1 WHERE id;
 

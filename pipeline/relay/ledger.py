@@ -8,7 +8,9 @@ persistence, the AOF's last second, eviction, failover to an empty replica) or a
 that dropped a message therefore delays an event but cannot lose it:
 
 1. sent events that reached the horizon (``PIPELINE_REDELIVERY_HORIZON_SECONDS``) with
-   no inbox row for one of their consumers get a 'pending' row dated at publication;
+   no inbox row for one of their consumers get a 'pending' row dated at publication (a
+   worker's claim still uncommitted stops this step there for the sweep, never the relay:
+   see :meth:`LedgerStore.account`);
 2. unfinished rows ('pending', 'failed') whose last delivery (or due retry) is older
    than the horizon are delivered again, oldest first, through the same publisher the
    relay uses, and their ``delivered_at`` and ``redeliveries`` are updated.
@@ -106,8 +108,9 @@ class DeliveryLedger:
             horizon = 0.0 if forgotten else redelivery_horizon(self.settings)
             swept_to, until = self.store.window(conn, horizon)
             if until > swept_to:
-                result.accounted = self.store.account(conn, swept_to - SWEEP_OVERLAP, until)
-                self.store.advance(conn, until)
+                result.accounted, held = self.store.account(conn, swept_to - SWEEP_OVERLAP, until)
+                # Held up by a worker's open claim: the next sweep looks from there again.
+                self.store.advance(conn, until if held is None else max(swept_to, held))
             self._redeliver(conn, until, result, forgotten)
         return result
 

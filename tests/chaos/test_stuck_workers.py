@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 from pipeline import NewEvent, Settings, add_event
 from tests.chaos.orders import fault_settings
 from tests.support import (
+    freeze_group,
     log_size,
     produce,
     soak,
@@ -192,8 +193,10 @@ def test_a_frozen_worker_group_stops_no_producer_and_no_other_worker(
             (healthy,) = [g for g in groups if g.pid != group]
             before_end = time.monotonic()
             before = producers.rate(before_end - 5, before_end)
-            os.killpg(group, signal.SIGSTOP)
             stopped.append(group)
+            # every thread stopped before the lock is released: a thread still running
+            # would take it and commit (or stop between its follow-up's insert and COMMIT)
+            freeze_group(group)
             hold.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": HOLD_LOCK})
             hold.commit()
             # the frozen handler's backend takes the lock and waits for its client,

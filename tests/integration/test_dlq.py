@@ -967,6 +967,50 @@ def test_owed_lists_deliveries_and_abandon_finishes_only_a_removed_consumers(eng
     )
 
 
+@pytest.mark.timeout(120)  # a sweep that waits on the worker waits for ever here
+def test_a_sweep_never_waits_on_a_workers_open_claim_and_accounts_for_it_later(
+    engine, dlq_settings
+):
+    """A worker claimed a delivery and stopped with its transaction open: its inbox row is
+    being inserted, so recording the delivery as owed would wait for that transaction. The
+    sweep does not wait (a relay that waited would stop publishing for everyone): it stops
+    its accounting there and looks again from that delivery next time, so when the worker's
+    transaction rolls back (it died), the delivery is still recorded as owed."""
+    from pipeline.db.stores.inbox import InboxStore
+    from pipeline.envelope import ReceivedEvent
+
+    routes = Registry()
+    routes.subscribe("payments", ["order.placed"])
+    now = dlq_settings.replace(redelivery_horizon_seconds=0.01)
+    (claimed,) = publish_to(now, routes, 1, engine)
+    (later,) = publish_to(now, routes, 1, engine)
+    (seq,) = rows(engine, "SELECT seq FROM pipeline.outbox WHERE id = :i", i=claimed)[0]
+    event = ReceivedEvent(
+        id=claimed, type="order.placed", version=1, data={}, source="t", time="", seq=seq
+    )
+
+    def owed_rows() -> list[tuple[Any, ...]]:
+        return rows(
+            engine,
+            "SELECT event_id, status FROM pipeline.inbox WHERE consumer = 'payments'"
+            " ORDER BY delivered_at",
+        )
+
+    with engine.connect() as worker:  # its transaction stays open
+        assert InboxStore(now.schema_name).claim(worker, "payments", event) == 1
+        for _ in range(3):
+            sweep(now, routes)  # a LockNotAvailable here: the sweep waited on the worker
+        assert owed_rows() == []  # neither recorded: the claimed one is the first
+        worker.rollback()  # the worker died before its COMMIT
+    wait_until(
+        lambda: (
+            sweep(now, routes) is not None
+            and owed_rows() == [(claimed, "pending"), (later, "pending")]
+        ),
+        timeout=30,
+    )
+
+
 def test_fingerprints_normalise_the_variable_parts_of_a_message(engine, dlq_settings):
     letters = [
         # (consumer, event type, error class, error): the first four are one cause

@@ -7,7 +7,8 @@ holds, and by ``pipeline dlq owed`` and ``abandon``; see ``ledger.sql`` for the 
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, NamedTuple
 
@@ -15,6 +16,10 @@ import psycopg
 
 from pipeline.db.queries import queries_for
 from pipeline.envelope import OutboxEvent
+
+ACCOUNT_LOCK_WAIT_MS = 100
+"""How long the sweep's accounting waits on an inbox row that a transaction still open
+has inserted (a worker's claim) before it stops there; see :meth:`LedgerStore.account`."""
 
 
 class OwedDelivery(NamedTuple):
@@ -74,11 +79,48 @@ class LedgerStore:
         assert row is not None  # an upsert returns its row
         return row[0], row[1]
 
-    def account(self, conn: psycopg.Connection[Any], since: datetime, until: datetime) -> int:
-        """Record as owed the deliveries of events sent in [since, until) with no inbox row;
-        returns how many."""
-        cursor = conn.execute(self._queries["ledger_account"], {"since": since, "until": until})
-        return cursor.rowcount
+    def account(
+        self, conn: psycopg.Connection[Any], since: datetime, until: datetime
+    ) -> tuple[int, datetime | None]:
+        """Record as owed the deliveries of events sent in (since, until] with no inbox row.
+
+        Returns how many, and ``None`` when the whole window is accounted for, else the
+        publication time of the first delivery a worker's claim holds up: an inbox row of
+        it inserted by a transaction still open (a worker processing it, or stopped with
+        its transaction open), whose fate the insert would wait for. The sweep never waits
+        on a worker (more than :data:`ACCOUNT_LOCK_WAIT_MS`): what is accounted for stops
+        there, and the next sweep starts again from that delivery.
+        """
+        params = {"since": since, "until": until}
+        with self._brief_lock_waits(conn):
+            try:
+                with conn.transaction():  # a savepoint: a timed-out statement undoes only it
+                    return conn.execute(self._queries["ledger_account"], params).rowcount, None
+            except psycopg.errors.LockNotAvailable:
+                pass
+            recorded = 0
+            for consumer, event_id, published_at in conn.execute(
+                self._queries["ledger_unaccounted"], params
+            ).fetchall():
+                try:
+                    with conn.transaction():
+                        recorded += conn.execute(
+                            self._queries["ledger_account_one"],
+                            {"consumer": consumer, "event_id": event_id},
+                        ).rowcount
+                except psycopg.errors.LockNotAvailable:
+                    return recorded, published_at
+            return recorded, None
+
+    @contextmanager
+    def _brief_lock_waits(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """The transaction's lock waits at most ``ACCOUNT_LOCK_WAIT_MS`` inside."""
+        row = conn.execute(
+            self._queries["ledger_lock_wait"], {"wait": f"{ACCOUNT_LOCK_WAIT_MS}ms"}
+        ).fetchone()
+        assert row is not None
+        yield
+        conn.execute(self._queries["ledger_lock_wait"], {"wait": row[0]})
 
     def advance(self, conn: psycopg.Connection[Any], until: datetime) -> None:
         conn.execute(self._queries["ledger_advance"], {"until": until})
