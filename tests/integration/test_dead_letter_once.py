@@ -31,7 +31,7 @@ from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
 from pipeline.signing import event_source
 from pipeline.transport.factory import open_transport
-from pipeline.transport.redis.keys import messages_key, queue_key
+from pipeline.transport.redis.keys import acks_key, heartbeats_key, messages_key, queue_key
 from tests.integration.test_authenticity import KEY, OTHER_KEY, signed_envelope
 from tests.integration.test_inbox import RepeatingPublisher, inbox_settings, scalar
 from tests.integration.test_queue_garbage import dead_letters, requeue_as_maintenance_does
@@ -43,6 +43,10 @@ __all__ = ["deployment", "inbox_settings"]  # fixtures re-used here
 APP = "tests.apps.inbox_app"
 QUEUE, ACTOR = "pipeline.ledger", "pipeline_inbox_ledger"
 HOLD = 42  # the advisory lock the ledger handler takes for an event with "slow" in its data
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def ledger_event(order_id: str, data: dict[str, Any]) -> OutboxEvent:
@@ -243,3 +247,36 @@ def test_the_worker_role_records_a_message_dead_letter_once(deployment: Deployme
     finally:
         worker_engine.dispose()
     assert deployment.admin("SELECT count(*) FROM pipeline.dead_letters") == [(1,)]
+
+
+def test_an_unacked_id_a_live_worker_no_longer_holds_is_put_back(
+    engine, inbox_settings: Settings, tmp_path
+):
+    """A message id in a live worker's un-acked set that no thread of it holds (left there
+    by a settlement that failed for good, or by a pause past the heartbeat timeout while
+    another worker's maintenance emptied the set): Dramatiq would leave it there for the
+    life of the process and the delivery ledger would count it in flight. The worker puts
+    it back on the queue at its next periodic look, and the event is handled."""
+    settings = inbox_settings
+    client = redis.Redis.from_url(settings.require_redis_url())
+    namespace = settings.redis_namespace
+    log = tmp_path / "worker.log"
+    worker = start_worker(settings, APP, log, processes=1, threads=2)
+    try:
+        wait_until(lambda: client.zcard(heartbeats_key(namespace)) == 1, alive=[worker])
+        [broker_id] = [_text(member) for member in client.zrange(heartbeats_key(namespace), 0, 0)]
+        redis_id = str(uuid.uuid4())
+        envelope = json.loads(encode_envelope(ledger_event("orphan", {}), event_source(settings)))
+        message = inbox_message(([envelope],)).copy(options={"redis_message_id": redis_id})
+        client.hset(messages_key(namespace, QUEUE), redis_id, message.encode())
+        client.sadd(acks_key(namespace, broker_id, QUEUE), redis_id)  # taken, held by nobody
+        wait_until(
+            lambda: scalar(engine, "SELECT count(*) FROM effects") == 1,
+            timeout=60,
+            alive=[worker],
+        )
+        wait_until(lambda: client.scard(acks_key(namespace, broker_id, QUEUE)) == 0)
+    finally:
+        stop_process(worker)
+        client.close()
+    assert "requeued un-acked messages this consumer no longer held" in log.read_text()

@@ -91,6 +91,9 @@ def _log_missing_bodies(queue_name: str, duplicates: int, lost: int) -> None:
     )
 
 
+ORPHAN_LOOK_SECONDS = 15.0
+"""How often a consumer looks for un-acked ids of its own that it no longer holds."""
+
 T = TypeVar("T")
 BLIP_SECONDS = 2.0
 """How long an acknowledgement, enqueue or requeue is tried again through connection errors."""
@@ -233,7 +236,11 @@ class WakeableRedisConsumer(_RedisConsumer):
     timed out): its ids then sit in this process's un-acked set with nobody holding them,
     and, this worker being alive, Dramatiq would never put them back. So after a failed
     fetch the next fetch first requeues every un-acked id of this consumer that it did not
-    hand out (:meth:`_requeue_orphans`).
+    hand out (:meth:`_requeue_orphans`). It also looks every ``ORPHAN_LOOK_SECONDS`` while
+    fetching, whatever left an id there unheld (a settlement that failed for good, a
+    consumer restarted, a worker paused past the heartbeat timeout whose un-acked set
+    another worker's maintenance emptied meanwhile): the delivery ledger counts a live
+    worker's un-acked messages in flight and would never send them again.
 
     ``message_cache`` holds (Redis id, body) pairs, and ``queued_message_ids`` the Redis
     ids of the messages handed to worker threads and not yet settled.
@@ -242,6 +249,7 @@ class WakeableRedisConsumer(_RedisConsumer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self._orphans_possible = False  # a fetch failed since the last look at the un-acked set
+        self._next_orphan_look = time.monotonic() + ORPHAN_LOOK_SECONDS
 
     def __next__(self) -> Any:
         outage: BrokerOutage = self.broker.outage
@@ -276,7 +284,7 @@ class WakeableRedisConsumer(_RedisConsumer):
             outage.failed(exc)
             return None
 
-    def _requeue_orphans(self) -> None:
+    def _requeue_orphans(self, after_failed_fetch: bool) -> None:
         """Put back on the queue the un-acked ids of this consumer that nobody holds."""
         broker = self.broker
         acks = acks_key(broker.namespace, broker.broker_id, self.queue_name)
@@ -288,16 +296,21 @@ class WakeableRedisConsumer(_RedisConsumer):
             broker.do_requeue(self.queue_name, *orphans)
             broker.wake(self.queue_name)
             log.warning(
-                "requeued messages a failed fetch had taken but never delivered",
+                "requeued messages a failed fetch had taken but never delivered"
+                if after_failed_fetch
+                else "requeued un-acked messages this consumer no longer held",
                 extra={"queue": self.queue_name, "count": len(orphans)},
             )
 
     _drained = False  # the last fetch got fewer messages than it asked for: the queue is empty
 
     def _fetch(self) -> bool:
-        if self._orphans_possible:
-            self._requeue_orphans()
+        now = time.monotonic()
+        if self._orphans_possible or now >= self._next_orphan_look:
+            # only here, with the cache empty: every id this consumer holds is handed out
+            self._requeue_orphans(after_failed_fetch=self._orphans_possible)
             self._orphans_possible = False
+            self._next_orphan_look = now + ORPHAN_LOOK_SECONDS
         wanted = self.prefetch - self.outstanding_message_count
         if wanted <= 0:  # enough in hand: back off
             self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
