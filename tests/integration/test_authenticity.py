@@ -63,7 +63,8 @@ def signed_envelope(event: OutboxEvent, key: str, deployment: str) -> dict[str, 
     return parsed
 
 
-def made_up_event(order_id: str) -> OutboxEvent:
+def made_up_event(order_id: str, data: dict[str, Any] | None = None) -> OutboxEvent:
+    """An ``entry.booked`` event of ``order_id`` (plus ``data``) as the relay reads it."""
     return OutboxEvent(
         uuid.uuid4(),
         1,
@@ -72,7 +73,7 @@ def made_up_event(order_id: str) -> OutboxEvent:
         order_id,
         "entry.booked",
         1,
-        json.dumps({"order_id": order_id}),
+        json.dumps({"order_id": order_id, **(data or {})}),
         "{}",
         0,
         datetime.now(UTC),

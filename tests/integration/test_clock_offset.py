@@ -24,6 +24,7 @@ import json
 import socket
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -64,6 +65,17 @@ def offsets(engine, table: str, id_column: str) -> dict[int, float | None]:
     return {int(pid): offset for pid, offset in rows}
 
 
+def relay_offsets(engine, pids: tuple[int, ...], **wait: Any) -> dict[int, float | None]:
+    """The relays' stored offsets, once each of ``pids`` has measured its own."""
+
+    def measured() -> dict[int, float | None] | None:
+        found = offsets(engine, "relay_state", "relay_id")
+        return found if all(found.get(pid) is not None for pid in pids) else None
+
+    result: dict[int, float | None] = wait_until(measured, interval=0.2, **wait)
+    return result
+
+
 def gauge(port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
@@ -93,15 +105,8 @@ def test_clocks_ahead_are_stored_exported_and_named_by_doctor(settings: Settings
         settings, APP, tmp_path / "worker.log", 1, 1, PIPELINE_WORKER_METRICS_PORT="0"
     )
     try:
-        relays = wait_until(
-            lambda: (
-                (o := offsets(engine, "relay_state", "relay_id")).get(skewed.pid) is not None
-                and o.get(true.pid) is not None
-                and o
-            ),
-            timeout=60,
-            interval=0.2,
-            alive=[skewed, true, worker],
+        relays = relay_offsets(
+            engine, (skewed.pid, true.pid), timeout=60, alive=[skewed, true, worker]
         )
         assert 4.0 <= relays[skewed.pid] <= 6.0, relays
         assert abs(relays[true.pid]) < 1.0, relays
@@ -172,16 +177,7 @@ def test_clocks_off_within_a_second_deliver_every_event_once_in_key_order(
                 alive=processes,
                 progress=lambda: scalar(engine, "SELECT count(*) FROM seq_log"),
             )
-            relays = wait_until(
-                lambda: (
-                    (o := offsets(engine, "relay_state", "relay_id")).get(ahead.pid) is not None
-                    and o.get(behind.pid) is not None
-                    and o
-                ),
-                timeout=30,
-                interval=0.2,
-                alive=processes,
-            )
+            relays = relay_offsets(engine, (ahead.pid, behind.pid), timeout=30, alive=processes)
             env = pipeline_env(quick, INBOX_APP)
             doctor = run_cli(["doctor", "--json"], env)
         finally:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import signal
 import uuid
-from datetime import UTC, datetime
 from typing import Any
 
 import psycopg
@@ -24,7 +23,7 @@ from sqlalchemy import text
 
 from pipeline import NewEvent, Settings
 from pipeline.db.connect import make_engine
-from pipeline.envelope import OutboxEvent, encode_envelope
+from pipeline.envelope import encode_envelope
 from pipeline.inbox.processor import WHOLE_MESSAGE, DeliveredMessage, record_unreadable
 from pipeline.registry import Registry
 from pipeline.relay.drain import Drainer
@@ -32,7 +31,8 @@ from pipeline.runtime import build_runtime
 from pipeline.signing import event_source
 from pipeline.transport.factory import open_transport
 from pipeline.transport.redis.keys import acks_key, heartbeats_key, messages_key, queue_key
-from tests.integration.test_authenticity import KEY, OTHER_KEY, signed_envelope
+from tests.integration.test_authenticity import KEY, OTHER_KEY, made_up_event, signed_envelope
+from tests.integration.test_follow_ups import waiting_on_advisory_lock
 from tests.integration.test_inbox import RepeatingPublisher, inbox_settings, scalar
 from tests.integration.test_queue_garbage import dead_letters, requeue_as_maintenance_does
 from tests.integration.test_roles import Deployment, deployment
@@ -47,22 +47,6 @@ HOLD = 42  # the advisory lock the ledger handler takes for an event with "slow"
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def ledger_event(order_id: str, data: dict[str, Any]) -> OutboxEvent:
-    return OutboxEvent(
-        uuid.uuid4(),
-        1,
-        None,
-        order_id,
-        order_id,
-        "entry.booked",
-        1,
-        json.dumps({"order_id": order_id, **data}),
-        "{}",
-        0,
-        datetime.now(UTC),
-    )
 
 
 def enqueue(settings: Settings, message: Message[Any], times: int = 1) -> None:
@@ -82,16 +66,6 @@ def inbox_message(
     return Message(queue_name=QUEUE, actor_name=actor, args=args, kwargs=kwargs or {}, options={})
 
 
-def waiting_on_hold(engine) -> int:
-    with engine.connect() as conn:
-        return conn.execute(
-            text(
-                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                " AND wait_event = 'advisory' AND datname = current_database()"
-            )
-        ).scalar_one()
-
-
 @pytest.mark.parametrize("bad", ["unauthentic", "undecodable"])
 def test_a_worker_killed_after_recording_a_dead_letter_leaves_one_row(
     engine, inbox_settings: Settings, tmp_path, bad
@@ -102,12 +76,12 @@ def test_a_worker_killed_after_recording_a_dead_letter_leaves_one_row(
     which runs the handler once and does not record the bad envelope a second time."""
     settings = inbox_settings.replace(message_key=KEY) if bad == "unauthentic" else inbox_settings
     source = event_source(settings)
-    good_event = ledger_event("good", {"slow": 0.01})
+    good_event = made_up_event("good", {"slow": 0.01})
     if bad == "unauthentic":
-        rejected = signed_envelope(ledger_event("forged", {}), OTHER_KEY, source)
+        rejected = signed_envelope(made_up_event("forged", {}), OTHER_KEY, source)
         good = signed_envelope(good_event, KEY, source)
     else:
-        rejected = {**json.loads(encode_envelope(ledger_event("bad", {}), source)), "id": "x"}
+        rejected = {**json.loads(encode_envelope(made_up_event("bad", {}), source)), "id": "x"}
         good = json.loads(encode_envelope(good_event, source))
     enqueue(settings, inbox_message(([rejected, good],)))
     client = redis.Redis.from_url(settings.require_redis_url())
@@ -119,7 +93,7 @@ def test_a_worker_killed_after_recording_a_dead_letter_leaves_one_row(
         worker = start_worker(settings, APP, log, processes=1, threads=1)
         try:
             wait_until(lambda: len(dead_letters(engine)) == 1, timeout=30, alive=[worker])
-            wait_until(lambda: waiting_on_hold(engine) == 1, timeout=30, alive=[worker])
+            wait_until(lambda: waiting_on_advisory_lock(engine) == 1, timeout=30, alive=[worker])
         finally:
             stop_process(worker, signal.SIGKILL)
         hold.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": HOLD})
@@ -266,7 +240,7 @@ def test_an_unacked_id_a_live_worker_no_longer_holds_is_put_back(
         wait_until(lambda: client.zcard(heartbeats_key(namespace)) == 1, alive=[worker])
         [broker_id] = [_text(member) for member in client.zrange(heartbeats_key(namespace), 0, 0)]
         redis_id = str(uuid.uuid4())
-        envelope = json.loads(encode_envelope(ledger_event("orphan", {}), event_source(settings)))
+        envelope = json.loads(encode_envelope(made_up_event("orphan", {}), event_source(settings)))
         message = inbox_message(([envelope],)).copy(options={"redis_message_id": redis_id})
         client.hset(messages_key(namespace, QUEUE), redis_id, message.encode())
         client.sadd(acks_key(namespace, broker_id, QUEUE), redis_id)  # taken, held by nobody
