@@ -244,18 +244,31 @@ def app_registry(module: str) -> Registry:
     tests do not see them.
     """
     if module not in _APP_REGISTRIES:
-        before = {subscription.consumer for subscription in global_registry.all()}
-        importlib.import_module(module)
-        private = Registry()
-        for subscription in global_registry.all():
-            function = getattr(subscription.handler, "function", None)
-            if subscription.consumer not in before or (
-                function is not None and function.__module__ == module
-            ):
-                private.add(subscription)
+        # The import runs with the process-wide registry emptied: another app's consumer of
+        # the same name (registered there by a test module's import) would refuse it.
+        lent = list(global_registry.all())
+        for subscription in lent:
+            global_registry.remove(subscription.consumer)
+        try:
+            importlib.import_module(module)
+            fresh = list(global_registry.all())
+            for subscription in fresh:
                 global_registry.remove(subscription.consumer)
+        finally:
+            for subscription in lent:
+                if _defined_in(subscription) != module:
+                    global_registry.add(subscription)
+        private = Registry()
+        for subscription in [*fresh, *(s for s in lent if _defined_in(s) == module)]:
+            private.add(subscription)
         _APP_REGISTRIES[module] = private
     return _APP_REGISTRIES[module]
+
+
+def _defined_in(subscription: Any) -> str | None:
+    """The module of the subscription's handler function (None: a route without one)."""
+    function = getattr(subscription.handler, "function", None)
+    return None if function is None else str(function.__module__)
 
 
 @contextmanager
