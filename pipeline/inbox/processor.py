@@ -34,6 +34,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 from dramatiq.middleware import TimeLimitExceeded
@@ -75,19 +76,24 @@ class DeliveredMessage:
     args: Any
     kwargs: Any
 
-    def digest(self, part: str) -> bytes:
-        """The digest of this message's dead letter ``part`` (:data:`WHOLE_MESSAGE`, or
-        :func:`envelope_part` of one envelope)."""
+    @cached_property
+    def _content(self) -> bytes:
+        """Actor name, arguments and keywords, encoded deterministically (once: a message
+        of several refused envelopes has a dead letter for each)."""
         try:
-            content = json.dumps(
+            return json.dumps(
                 [self.actor_name, self.args, self.kwargs],
                 sort_keys=True,
                 separators=(",", ":"),
                 ensure_ascii=True,
             ).encode()
         except (TypeError, ValueError, RecursionError):
-            content = b""  # not JSON again (too deep): the id alone tells the message
-        return message_digest(self.queue, self.message_id, content, part)
+            return b""  # not JSON again (too deep): the id alone tells the message
+
+    def digest(self, part: str) -> bytes:
+        """The digest of this message's dead letter ``part`` (:data:`WHOLE_MESSAGE`, or
+        :func:`envelope_part` of one envelope)."""
+        return message_digest(self.queue, self.message_id, self._content, part)
 
 
 WHOLE_MESSAGE = "message"  # a dead letter for the message as a whole

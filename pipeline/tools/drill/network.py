@@ -146,24 +146,23 @@ class NetworkFaults:
     def _degrade(self, host: str, seconds: float) -> str:
         """Delay and loss on ``host``'s link for ``seconds``: netem, or else a token bucket."""
         network = self.hosts.network
-        if self.hosts.link_emulation == "tbf":
+        bucket = self.hosts.link_emulation == "tbf"
+        if bucket:
+            network.throttle(host, *THROTTLE)
+        else:
+            network.degrade(host, *DEGRADE)
+        try:
+            self.wait(seconds)
+            dropped, delayed = network.shaped(host) if bucket else (0, 0)
+        finally:
+            network.restore(host)
+        if bucket:
             rate, burst, queue = THROTTLE
-            network.throttle(host, rate, burst, queue)
-            try:
-                self.wait(seconds)
-                dropped, delayed = network.shaped(host)
-            finally:
-                network.restore(host)
             return (
                 f"{host}: both ways through a token bucket (tc tbf, no netem here) of "
                 f"{rate} kbit/s, burst {burst} B, queue {queue} ms for {seconds:.1f} s: "
                 f"over the rate {delayed} times, {dropped} packets dropped"
             )
-        network.degrade(host, *DEGRADE)
-        try:
-            self.wait(seconds)
-        finally:
-            network.restore(host)
         delay, jitter, loss = DEGRADE
         return (
             f"{host}: {delay:g} ms +- {jitter:g} ms, {loss:g} % loss (tc netem) for {seconds:.1f} s"
