@@ -36,7 +36,7 @@ from pipeline.config import Settings, configure, libpq_url
 from pipeline.db.migrate import upgrade
 from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
 from pipeline.transport.namespace import delete_namespace
-from tests.support import OtlpReceiver, rabbitmq_nodes
+from tests.support import OtlpReceiver, global_registry_kept, rabbitmq_nodes
 
 RUN_ID = uuid.uuid4().hex[:8]
 TIERS = ("unit", "integration", "chaos")
@@ -103,6 +103,13 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             "move it to tests/integration",
             pytrace=False,
         )
+
+
+@pytest.fixture(autouse=True)
+def registry_left_as_found() -> Iterator[None]:
+    """No test's consumers outlive it in the process-wide registry (tests share a process)."""
+    with global_registry_kept():
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -277,20 +277,48 @@ def app_in_global_registry(module: str) -> Iterator[None]:
 
     A command run in this process (click's ``CliRunner``) finds consumers as in a process
     of its own, by importing ``PIPELINE_APP_MODULES`` into the process-wide registry; the
-    import is cached, so they are lent from :func:`app_registry` instead. Whatever is in
-    the registry afterwards that was not before is removed, so one test's app never meets
-    another's consumer of the same name.
+    import is cached, so they are lent from :func:`app_registry` instead. A consumer of the
+    same name already there (another app's) steps aside meanwhile, and the registry is
+    afterwards as it was before.
     """
-    before = {subscription.consumer for subscription in global_registry.all()}
+    before = global_registry.all()
     for subscription in app_registry(module).all():
-        if subscription.consumer not in before:
-            global_registry.add(subscription)
+        global_registry.remove(subscription.consumer)
+        global_registry.add(subscription)
+    try:
+        yield
+    finally:
+        reset_global_registry(before)
+
+
+def reset_global_registry(subscriptions: Sequence[Any]) -> None:
+    """The process-wide registry holding exactly ``subscriptions``."""
+    global_registry.clear()
+    for subscription in subscriptions:
+        global_registry.add(subscription)
+
+
+@contextmanager
+def global_registry_kept() -> Iterator[None]:
+    """Whatever a test registers in the process-wide registry is gone after it.
+
+    An app imported into that registry during a test (the demo's routes loaded in this
+    process, a module imported by ``monkeypatch.setattr("module.NAME", ...)``, an
+    in-process command's ``--app``) would otherwise stay there, and a later test's app
+    with a consumer of the same name (``payments``, ``ledger``) would be refused at its
+    import or, worse, run the other app's handler. Such a module is also dropped from the
+    import cache so that the next import registers it again; the test apps lent by
+    :func:`app_registry` stay cached, their consumers are kept apart.
+    """
+    before = global_registry.all()
     try:
         yield
     finally:
         for subscription in global_registry.all():
-            if subscription.consumer not in before:
-                global_registry.remove(subscription.consumer)
+            module = _defined_in(subscription)
+            if subscription not in before and module and module not in _APP_REGISTRIES:
+                sys.modules.pop(module, None)
+        reset_global_registry(before)
 
 
 @contextmanager
