@@ -278,37 +278,28 @@ def app_in_global_registry(module: str) -> Iterator[None]:
     A command run in this process (click's ``CliRunner``) finds consumers as in a process
     of its own, by importing ``PIPELINE_APP_MODULES`` into the process-wide registry; the
     import is cached, so they are lent from :func:`app_registry` instead. A consumer of the
-    same name already there (another app's) steps aside meanwhile, and the registry is
-    afterwards as it was before.
+    same name already there (another app's) steps aside meanwhile; afterwards the registry
+    is as it was before (:func:`global_registry_kept`).
     """
-    before = global_registry.all()
-    for subscription in app_registry(module).all():
-        global_registry.remove(subscription.consumer)
-        global_registry.add(subscription)
-    try:
+    with global_registry_kept():
+        for subscription in app_registry(module).all():
+            global_registry.remove(subscription.consumer)
+            global_registry.add(subscription)
         yield
-    finally:
-        reset_global_registry(before)
-
-
-def reset_global_registry(subscriptions: Sequence[Any]) -> None:
-    """The process-wide registry holding exactly ``subscriptions``."""
-    global_registry.clear()
-    for subscription in subscriptions:
-        global_registry.add(subscription)
 
 
 @contextmanager
 def global_registry_kept() -> Iterator[None]:
-    """Whatever a test registers in the process-wide registry is gone after it.
+    """The process-wide registry as it was before, whatever was registered meanwhile.
 
     An app imported into that registry during a test (the demo's routes loaded in this
-    process, a module imported by ``monkeypatch.setattr("module.NAME", ...)``, an
-    in-process command's ``--app``) would otherwise stay there, and a later test's app
-    with a consumer of the same name (``payments``, ``ledger``) would be refused at its
-    import or, worse, run the other app's handler. Such a module is also dropped from the
-    import cache so that the next import registers it again; the test apps lent by
-    :func:`app_registry` stay cached, their consumers are kept apart.
+    process, a module imported by ``monkeypatch.setattr("module.NAME", ...)``, a command's
+    ``--app``) would otherwise stay there, and a later test's app with a consumer of the
+    same name (``payments``, ``ledger``) would be refused at its import or, worse, run the
+    other app's handler. Such a module is dropped from the import cache as its consumers
+    are removed, so that its next import registers them again (cached without them,
+    :func:`app_registry` would find it has none). The test apps lent by
+    :func:`app_registry` stay cached: their consumers are kept apart.
     """
     before = global_registry.all()
     try:
@@ -318,7 +309,9 @@ def global_registry_kept() -> Iterator[None]:
             module = _defined_in(subscription)
             if subscription not in before and module and module not in _APP_REGISTRIES:
                 sys.modules.pop(module, None)
-        reset_global_registry(before)
+        global_registry.clear()
+        for subscription in before:
+            global_registry.add(subscription)
 
 
 @contextmanager

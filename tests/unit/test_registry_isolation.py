@@ -14,10 +14,11 @@ import importlib
 import sys
 
 from pipeline.registry import registry as global_registry
-from tests.support import app_in_global_registry, app_registry
+from tests.support import _APP_REGISTRIES, app_in_global_registry, app_registry
 
 DEMO_APP = "pipeline.tools.demo.app"
 DLQ_APP = "tests.apps.dlq_app"
+SLOW_APP = "tests.apps.slow_retry_app"
 
 
 def test_a_test_that_loads_the_demo_app_leaves_its_consumers_behind() -> None:
@@ -40,6 +41,20 @@ def test_an_app_lent_to_a_command_steps_over_a_consumer_of_the_same_name() -> No
     with app_in_global_registry(DLQ_APP):
         assert global_registry.get("payments").handler is lent
     assert global_registry.get("payments").handler is demo_handler  # as before
+
+
+def test_an_app_a_command_imported_meanwhile_is_found_again_afterwards() -> None:
+    """A command's ``--app`` imports a module into the process-wide registry; when the
+    registry is put back, the module leaves the import cache with its consumers, so the
+    next import finds them: cached without them, it once gave an in-process worker no
+    consumers at all (its tests timed out with nothing delivered)."""
+    sys.modules.pop(SLOW_APP, None)
+    _APP_REGISTRIES.pop(SLOW_APP, None)
+    with app_in_global_registry(DLQ_APP):
+        importlib.import_module(SLOW_APP)  # what `pipeline status --app SLOW_APP` does
+        assert "slowpoke" in consumers()
+    assert "slowpoke" not in consumers()
+    assert [s.consumer for s in app_registry(SLOW_APP).all()] == ["slowpoke"]
 
 
 def consumers() -> set[str]:
