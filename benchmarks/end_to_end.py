@@ -15,6 +15,9 @@ Strategies (``--only``):
   Also the median time of each hop (commit → sent → inbox claim → done).
 * ``throughput``: closed-loop producers commit as fast as they can for ``--duration``
   seconds; sustained throughput = every event handled / (last handled - start).
+* ``idle``: nothing produced for ``--idle-seconds``: the CPU the relay, the workers and
+  the servers use meanwhile, in % of one core (run it first: the figure is the pipeline's
+  rest state, after the warm-up).
 * ``retention``: ``throughput`` on empty tables against ``--retained-rows`` sent outbox
   events and processed inbox rows within their retention, the janitor passing every
   ``--prune-interval`` seconds (the steady state once it has caught up).
@@ -71,6 +74,7 @@ from pipeline.tools.harness.embedded import free_port
 EVENT_TYPE = "bench.e2e"
 PRODUCER_APPLICATION = "pipeline-bench-producer"
 WARM_UP_SECONDS = 6.0
+IDLE_SETTLE_SECONDS = 10.0
 TABLES = "bench_e2e, pipeline.outbox, pipeline.inbox, pipeline.attempts, pipeline.dead_letters"
 
 
@@ -280,15 +284,11 @@ def run_producers(
     return {uuid.UUID(k): v for k, v in committed.items()}, (cpu_seconds, backend_seconds)
 
 
-def cpu_by_component(
-    before: harness.CpuSample,
-    after: harness.CpuSample,
-    pipeline: harness.Children,
-    producer_cpu: tuple[float, float],
-    events: int,
-) -> dict[str, float]:
-    """CPU milliseconds per processed event, by component (where tracing's cost lands)."""
-    hz = os.sysconf("SC_CLK_TCK")
+def ticks_by_component(
+    before: harness.CpuSample, after: harness.CpuSample, pipeline: harness.Children
+) -> dict[str, int]:
+    """CPU clock ticks between two samples, by component: each process counts for the
+    pipeline process (relay, workers) or server it descends from."""
     roots = {process.pid: name for name, process in pipeline.processes.items()}
     roots.update(pipeline.neighbours)
     roots[os.getpid()] = "benchmark (OTLP sink)"
@@ -310,10 +310,44 @@ def cpu_by_component(
         if pid in before.processes:
             name = component(pid)
             ticks[name] = ticks.get(name, 0) + used - before.processes[pid][2]
+    return ticks
+
+
+def cpu_by_component(
+    before: harness.CpuSample,
+    after: harness.CpuSample,
+    pipeline: harness.Children,
+    producer_cpu: tuple[float, float],
+    events: int,
+) -> dict[str, float]:
+    """CPU milliseconds per processed event, by component (where tracing's cost lands)."""
+    hz = os.sysconf("SC_CLK_TCK")
+    ticks = ticks_by_component(before, after, pipeline)
     split = {name: round(1000 * t / hz / max(events, 1), 3) for name, t in sorted(ticks.items())}
     split["producers"] = round(1000 * producer_cpu[0] / max(events, 1), 3)
     split["postgres (producer connections)"] = round(1000 * producer_cpu[1] / max(events, 1), 3)
     return split
+
+
+def measure_idle(pipeline: harness.Children, seconds: float) -> dict[str, Any]:
+    """The CPU an idle pipeline uses, in % of one core by component: what a deployment
+    pays while nothing happens (relay waiting on NOTIFY, workers waiting on the broker).
+
+    Measured after a settling pause that lets the warm-up's last work (span exports,
+    the relay's step back from polling) finish.
+    """
+    time.sleep(IDLE_SETTLE_SECONDS)
+    hz = os.sysconf("SC_CLK_TCK")
+    before = harness.sample()
+    time.sleep(seconds)
+    ticks = ticks_by_component(before, harness.sample(), pipeline)
+    percent = {name: round(100 * t / hz / seconds, 3) for name, t in sorted(ticks.items())}
+    own = sum(v for k, v in percent.items() if k in pipeline.processes)
+    return {
+        "seconds": seconds,
+        "percent_of_one_core_by_component": percent,
+        "relay_and_workers_percent_of_one_core": round(own, 3),
+    }
 
 
 def phases(
@@ -562,8 +596,11 @@ def measure_runs(
     engine: Any,
     pipeline: harness.Children,
 ) -> dict[str, Any]:
-    """The strategies of one run on a started pipeline: latency at each rate, throughput."""
+    """The strategies of one run on a started pipeline: idle, latency at each rate,
+    throughput."""
     runs: dict[str, Any] = {}
+    if "idle" in args.only:  # first: the rest state right after the warm-up
+        runs["idle"] = measure_idle(pipeline, args.idle_seconds)
     if "latency" in args.only:
         runs["latency"] = [
             measure_rate(
@@ -623,6 +660,8 @@ def summarise_run(runs: dict[str, Any]) -> str:
         parts.append(
             f"{t['end_to_end_per_s']} events/s, {t['machine_cpu_ms_per_event']} ms CPU/event"
         )
+    if "idle" in runs:
+        parts.append(f"idle {runs['idle']['relay_and_workers_percent_of_one_core']} % of a core")
     for point in runs.get("latency", []):
         lat = point["latency_ms"]
         parts.append(f"{point['offered_events_per_s']:g}/s p50 {lat['p50']} p99 {lat['p99']} ms")
@@ -823,7 +862,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-STRATEGIES = ("latency", "throughput", "retention", "profile")
+STRATEGIES = ("latency", "throughput", "idle", "retention", "profile")
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -853,6 +892,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="core",
         help="core: engine.begin() and exec_driver_sql; session: an ORM Session",
     )
+    parser.add_argument("--idle-seconds", type=float, default=30.0, help="idle: window")
     parser.add_argument("--retained-rows", type=int, default=5_000_000, help="retention")
     parser.add_argument("--prune-interval", type=float, default=10.0, help="retention")
     parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples/s")
@@ -930,7 +970,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "worker_timeout_ms": settings.worker_timeout_ms,
             "sampled_mode_ratio": args.sample_ratio,
         }
-        if {"latency", "throughput"} & set(args.only):
+        if {"latency", "throughput", "idle"} & set(args.only):
             report.update(observability_runs(args, by_transport, brokers, engine, logs))
             harness.write_report(args.output, report)
         if "retention" in args.only:

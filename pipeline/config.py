@@ -169,7 +169,7 @@ class Settings(BaseSettings):
 
     # Workers and inbox
     # A worker's wait on Redis must end well inside the client's socket timeout (5 s).
-    worker_timeout_ms: Annotated[int, Field(gt=0, le=1000)] = 100
+    worker_timeout_ms: Annotated[int, Field(gt=0, le=1000)] = 1000
     broker_heartbeat_timeout_ms: Annotated[int, Field(gt=0, le=int(MAX_INTERVAL * 1000))] = 60_000
     broker_maintenance_chance: Annotated[int, Field(ge=0, le=1_000_000)] = 1000
     # Redis only: finished message ids remembered per queue, so a leftover id on the queue

@@ -285,3 +285,26 @@ def test_a_delay_queue_consumer_survives_redis_going_away_while_it_moves_a_due_m
     finally:
         worker.stop(timeout=5000)
         broker.close()
+
+
+def test_a_delayed_message_runs_when_due_not_when_the_idle_wait_ends(broker):
+    """An idle consumer waits on Redis up to ``worker_timeout`` (here 4 s), but a delayed
+    message it handed out (a retry in its backoff) is enqueued by Dramatiq's consumer
+    thread only when that wait returns: the wait must end when the message is due."""
+    ran: list[float] = []
+
+    @dramatiq.actor(broker=broker, queue_name=QUEUE, actor_name="due_soon", max_retries=0)
+    def due_soon() -> None:
+        ran.append(time.monotonic())
+
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=4000)
+    worker.start()
+    try:
+        time.sleep(0.5)  # both consumers idle in their long wait
+        sent = time.monotonic()
+        due_soon.send_with_options(delay=200)
+        wait_until(lambda: ran, timeout=30)
+        # held for the whole wait it would run 4 s after it was sent
+        assert ran[0] - sent < 3.0, f"ran {ran[0] - sent:.2f} s after it was sent"
+    finally:
+        worker.stop(timeout=10_000)

@@ -51,6 +51,11 @@ log = logging.getLogger("pipeline.transport.broker")
 logging.getLogger("pika").setLevel(logging.CRITICAL)
 
 QUORUM = {"x-queue-type": "quorum"}
+IDLE_RETURN_MS = 100
+"""Longest an idle consumer goes without returning to Dramatiq's consumer thread, which
+enqueues held delayed messages (retries waiting out their backoff) only between returns.
+An idle return costs a loop in this process, not a round trip, so it stays short whatever
+``worker_timeout`` is."""
 
 
 def _log_undecodable(queue_name: str, data: bytes, reason: str) -> None:
@@ -114,7 +119,9 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
         try:
             channel = connection.channel()
             channel.basic_qos(prefetch_count=self.prefetch)
-            iterator = channel.consume(self.queue_name, inactivity_timeout=self.timeout / 1000)
+            iterator = channel.consume(
+                self.queue_name, inactivity_timeout=min(self.timeout, IDLE_RETURN_MS) / 1000
+            )
         except BaseException:
             with contextlib.suppress(Exception):
                 connection.close()

@@ -48,6 +48,7 @@ life of the worker process.
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import time
@@ -242,6 +243,13 @@ class WakeableRedisConsumer(_RedisConsumer):
     another worker's maintenance emptied meanwhile): the delivery ledger counts a live
     worker's un-acked messages in flight and would never send them again.
 
+    An idle wait lasts ``worker_timeout``, but never past the moment a delayed message
+    this consumer handed out comes due: Dramatiq's consumer thread holds such a message
+    (a retry waiting out its backoff) and enqueues it only between two of this
+    consumer's returns, so a long idle wait would delay retries by up to the wait.
+    Bounded by the due times, the wait can be long (cheap when idle) and a retry still
+    runs on time.
+
     ``message_cache`` holds (Redis id, body) pairs, and ``queued_message_ids`` the Redis
     ids of the messages handed to worker threads and not yet settled.
     """
@@ -250,6 +258,7 @@ class WakeableRedisConsumer(_RedisConsumer):
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
         self._orphans_possible = False  # a fetch failed since the last look at the un-acked set
         self._next_orphan_look = time.monotonic() + ORPHAN_LOOK_SECONDS
+        self._due_times: list[int] = []  # heap: epoch ms at which a handed-out delay is due
 
     def __next__(self) -> Any:
         outage: BrokerOutage = self.broker.outage
@@ -278,6 +287,9 @@ class WakeableRedisConsumer(_RedisConsumer):
                     self._discard_undecodable(redis_id, data, malformed)
                     continue
                 self.queued_message_ids.add(redis_id)
+                eta = message.options.get("eta")
+                if isinstance(eta, int | float) and not isinstance(eta, bool):
+                    heapq.heappush(self._due_times, int(eta))
                 return FetchedMessage(message, redis_id)
         except redis.RedisError as exc:
             self._orphans_possible = True
@@ -316,8 +328,9 @@ class WakeableRedisConsumer(_RedisConsumer):
             self.misses, backoff_ms = compute_backoff(self.misses, max_backoff=self.timeout)
             time.sleep(backoff_ms / 1000)
             return False
-        if self._drained:  # anything enqueued since the last fetch pushed a wake-up after it
-            messages = self.broker.wait_and_fetch(self.queue_name, wanted, self.timeout)
+        wait_ms = self._idle_wait_ms() if self._drained else 0
+        if wait_ms:  # anything enqueued since the last fetch pushed a wake-up after it
+            messages = self.broker.wait_and_fetch(self.queue_name, wanted, wait_ms)
         else:
             messages = self.broker.fetch(self.queue_name, wanted)
         if any(data is None for _, data in messages):  # an id without a body
@@ -330,6 +343,19 @@ class WakeableRedisConsumer(_RedisConsumer):
         if not self._drained:
             self.broker.wake(self.queue_name)
         return bool(messages)
+
+    def _idle_wait_ms(self) -> int:
+        """How long an idle fetch may wait: ``worker_timeout``, or until the earliest
+        handed-out delayed message is due; 0 when one is due already (the consumer thread
+        enqueues it as soon as this fetch returns)."""
+        due_times, now = self._due_times, current_millis()
+        if due_times and due_times[0] <= now:
+            while due_times and due_times[0] <= now:
+                heapq.heappop(due_times)
+            return 0
+        if not due_times:
+            return int(self.timeout)
+        return int(min(self.timeout, due_times[0] - now))
 
     def ack(self, message: MessageProxy) -> None:
         self._finish("ack", message)
