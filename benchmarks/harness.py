@@ -45,6 +45,7 @@ import sqlalchemy
 from psycopg import sql
 
 from pipeline.tools.harness.embedded import EmbeddedPostgres, EmbeddedRedis
+from pipeline.tools.harness.fleet import Fleet
 from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +114,20 @@ def servers(
             redis_server = stack.enter_context(EmbeddedRedis())
             redis_url = redis_server.url
         yield Servers(database_url, redis_url or "", postgres, redis_server)
+
+
+@contextlib.contextmanager
+def cpu_hogs(count: int) -> Iterator[Fleet]:
+    """``count`` processes spinning on the CPU meanwhile: a contended machine (a noisy
+    neighbour, a container sharing its cores), the same for every system measured. They
+    die with this process whatever ends it (the harness's fleet and its watchdog)."""
+    fleet = Fleet()
+    try:
+        for index in range(count):
+            fleet.start(f"cpu-hog-{index}", [sys.executable, "-c", "while True: pass"])
+        yield fleet
+    finally:
+        fleet.close()
 
 
 TRANSPORTS = {"redis": 0, "rabbitmq": 1, "rabbitmq-cluster": 3}

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# One sitting: the peers comparison, the tracing overhead, the producer/handler API pairs, ten
-# events per transaction and the relay's throughput, each in five rounds, then the relay's
-# wake-up latency, the database libraries' costs and a profile of where the CPU goes (when
+# One sitting: the peers comparison (pgqueuer, faststream-outbox and pgbench's raw commits)
+# on a quiet machine and again beside a CPU hog of one core, the idle pipeline's CPU, the
+# tracing overhead, the producer/handler API pairs, ten events per transaction and the
+# relay's throughput, each in five rounds, then the relay's wake-up latency, the database
+# libraries' costs and a profile of where the CPU goes, quiet and beside the hog (when
 # py-spy is installed), back to back on one machine, so that their figures can be compared.
 # Each writes its JSON under benchmarks/results/sitting/; this script logs start and end
 # times and the load average to its sitting.log, and sitting_summary.py condenses them into
-# summary.json. About 30 minutes on 2 vCPUs.
+# summary.json and summary.md.
 # Run from the repository root with the project's venv: bash benchmarks/sitting.sh
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
@@ -25,6 +27,9 @@ step() {
 echo "commit $(git rev-parse HEAD)$(git diff --quiet -- pipeline || echo ' with uncommitted pipeline/ changes')" >>"$LOG"
 step "$PY" -m benchmarks.peers --rounds "$ROUNDS" --duration "$DURATION" --observability default \
     --output "$OUT/peers.json"
+step "$PY" -m benchmarks.peers --rounds "$ROUNDS" --duration "$DURATION" --observability default \
+    --contended 1 --output "$OUT/peers_contended.json"
+step "$PY" -m benchmarks.end_to_end --only idle --rounds "$ROUNDS" --output "$OUT/idle.json"
 step "$PY" -m benchmarks.end_to_end --only throughput --rounds "$ROUNDS" \
     --observability off,default,sampled --events-per-transaction 1 --duration "$DURATION" \
     --output "$OUT/overhead_1_per_tx.json"
@@ -56,5 +61,11 @@ if "$PY" -c "import shutil, sys; sys.exit(0 if shutil.which('py-spy') else 1)" 2
     || [ -x "$(dirname "$PY")/py-spy" ]; then
     step "$PY" -m benchmarks.end_to_end --only profile --duration "$PROFILE_DURATION" \
         --output "$OUT/profile_split.json"
+    "$PY" -c "while True: pass" &  # the contended profile: one core taken by a hog
+    HOG=$!
+    trap 'kill "$HOG" 2>/dev/null || true' EXIT
+    step "$PY" -m benchmarks.end_to_end --only profile --duration "$PROFILE_DURATION" \
+        --output "$OUT/profile_split_contended.json"
+    kill "$HOG"
 fi
 "$PY" -m benchmarks.sitting_summary "$OUT"

@@ -46,7 +46,7 @@ from psycopg import sql
 
 from benchmarks import harness
 from benchmarks.harness import rotated, spread, without_passwords
-from benchmarks.peers import common
+from benchmarks.peers import common, raw_commits
 from pipeline.transport.namespace import delete_namespace
 
 ROOT = common.ROOT
@@ -54,7 +54,7 @@ PEERS = {
     "pgqueuer": "benchmarks.peers.pgqueuer_peer",
     "faststream-outbox": "benchmarks.peers.faststream_outbox_peer",
 }
-SYSTEMS = ("pipeline", *PEERS)
+SYSTEMS = ("pipeline", *PEERS, "pgbench")
 PIPELINE_SEMANTICS = [
     "An event bus with a transactional outbox and an idempotent inbox: every subscribed "
     "consumer gets each event (fan-out), its handler's database effects commit once per "
@@ -186,6 +186,8 @@ def measure(
                 result = run_pipeline(url, redis_url, namespace, args)
             finally:
                 delete_namespace(redis_url, namespace)
+        elif system == "pgbench":
+            result = raw_commits.measure(url, args)
         else:
             try:
                 module = importlib.import_module(PEERS[system])
@@ -232,6 +234,7 @@ def summary_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 row[f"{rate}/s p50 ms"] = point["latency_ms"]["p50"]
                 row[f"{rate}/s p99 ms"] = point["latency_ms"]["p99"]
                 row[f"{rate}/s commits/s"] = point["achieved_commit_rate"]
+                row[f"{rate}/s CPU ms/event"] = point.get("machine_cpu_ms_per_event")
                 # Handled within 2 s of the last commit, and the producers kept the rate.
                 row[f"{rate}/s sustained"] = bool(
                     point["sustained"] and point["achieved_commit_rate"] >= 0.95 * rate
@@ -293,11 +296,13 @@ def rate_summary(rate: int, rows: Sequence[dict[str, Any] | None]) -> dict[str, 
     p50 = spread([row.get(f"{rate}/s p50 ms") if row else None for row in rows])
     p99 = spread([row.get(f"{rate}/s p99 ms") if row else None for row in rows])
     commits = spread([row.get(f"{rate}/s commits/s") if row else None for row in rows])
+    cpu = spread([row.get(f"{rate}/s CPU ms/event") if row else None for row in rows])
     return {
         "p50_ms": p50,
         "p99_ms": p99,
         "p99_max_over_rounds": p99["max"],
         "commits_per_s": commits,
+        "machine_cpu_ms_per_event": cpu,
         "sustained_by_round": [row.get(f"{rate}/s sustained") if row else None for row in rows],
     }
 
@@ -437,6 +442,12 @@ def report_header(
             "throughput": "closed loop; events handled / (last handler start - first commit)",
             "handler": "records its start time and writes one row",
         },
+        "contended": (
+            f"{args.contended} process(es) spinning on the CPU beside every system, for the "
+            "whole sitting"
+            if args.contended
+            else "no"
+        ),
         "rounds_requested": args.rounds,
         "order": "round r starts at system r mod the number of systems, then wraps",
     }
@@ -459,6 +470,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="default",
         help="the pipeline's runs (end_to_end.py --observability): default = as shipped",
     )
+    parser.add_argument(
+        "--contended",
+        type=int,
+        default=0,
+        help="CPU hogs (processes spinning on one core each) running beside every system",
+    )
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")
     parser.add_argument("--note", default="", help="recorded in the report (e.g. machine load)")
@@ -478,7 +495,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     rates = [int(float(r)) for r in args.rates.split(",")]
     output = Path(args.output)
     rounds: list[dict[str, Any]] = []
-    with harness.servers(args.database_url, args.redis_url) as servers:
+    with (
+        harness.cpu_hogs(args.contended),
+        harness.servers(args.database_url, args.redis_url) as servers,
+    ):
         admin_url, redis_url = servers.database_url, servers.redis_url
         server = {"postgres": harness.durability(admin_url), "redis": harness.redis_info(redis_url)}
         report = report_header(args, argv, server)
