@@ -21,7 +21,8 @@ Strategies (``--only``):
 * ``retention``: ``throughput`` on empty tables against ``--retained-rows`` sent outbox
   events and processed inbox rows within their retention, the janitor passing every
   ``--prune-interval`` seconds (the steady state once it has caught up).
-* ``profile``: ``throughput`` (as shipped, one event per transaction) under
+* ``profile``: ``throughput`` (or ``latency`` at ``--profile-at`` events/s; as shipped,
+  one event per transaction) under
   ``py-spy record --subprocesses --gil``; every sample of the producers, the relay and
   the workers is sorted into a stage by the frames on its stack. Sampling slows the run:
   read the shares, not the rate. Needs ``pip install py-spy``.
@@ -835,7 +836,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("profile: py-spy is not installed (pip install py-spy)")
     workdir = Path(tempfile.mkdtemp(prefix="pipeline-profile-"))
     samples = workdir / "samples.txt"
-    benchmark = [sys.executable, "-m", "benchmarks.end_to_end", "--only", "throughput"]
+    load = ["throughput"] if not args.profile_at else ["latency", "--rates", str(args.profile_at)]
+    benchmark = [sys.executable, "-m", "benchmarks.end_to_end", "--only", *load]
     benchmark += ["--api", args.api, "--events-per-transaction", "1"]
     benchmark += ["--observability", "default", "--duration", str(args.duration)]
     benchmark += ["--transports", args.transports[0]]
@@ -843,21 +845,23 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     command = [py_spy, "record", "--subprocesses", "--gil", "--nonblocking"]
     command += ["--rate", str(args.profile_rate), "--format", "raw", "-o", str(samples), "--"]
     subprocess.run(command + benchmark, check=True, cwd=harness.ROOT, stdout=subprocess.DEVNULL)
-    sampled = harness.json_file(workdir / "end_to_end.json")
+    run = harness.json_file(workdir / "end_to_end.json")["results"][
+        result_key(args.transports[0], "default")
+    ]
+    sampled = run["latency"][0] if args.profile_at else run["throughput"]
     split = split_samples(samples.read_text().splitlines())
     for process, figures in split.items():
         print(f"{process} ({figures['samples']} samples)")
         for stage, share in figures["share_pct"].items():
             print(f"  {share:5.1f} %  {stage}")
+    loop = f"an open loop at {args.profile_at} events/s" if args.profile_at else "closed loop"
     return {
         "method": (
-            "py-spy --gil samples of an end_to_end closed-loop run (one event per "
+            f"py-spy --gil samples of an end_to_end run, {loop} (one event per "
             f"transaction, --api {args.api}, as shipped, on {args.transports[0]}); shares of "
             "each process's samples"
         ),
-        "cpu_ms_per_event_by_component_while_sampled": sampled["results"][
-            result_key(args.transports[0], "default")
-        ]["throughput"]["cpu_ms_per_event_by_component"],
+        "cpu_ms_per_event_by_component_while_sampled": sampled["cpu_ms_per_event_by_component"],
         "split": split,
     }
 
@@ -896,6 +900,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--retained-rows", type=int, default=5_000_000, help="retention")
     parser.add_argument("--prune-interval", type=float, default=10.0, help="retention")
     parser.add_argument("--profile-rate", type=int, default=250, help="py-spy samples/s")
+    parser.add_argument(
+        "--profile-at",
+        type=int,
+        default=0,
+        help="profile: an open loop at this many events/s (0: the closed loop)",
+    )
     parser.add_argument("--database-url")
     parser.add_argument("--redis-url")
     parser.add_argument(
