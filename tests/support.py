@@ -27,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, Settings, add_events, configure
 from pipeline.envelope import OutboxEvent
-from pipeline.registry import Registry
+from pipeline.registry import CANARY_CONSUMER, Registry
 from pipeline.registry import registry as global_registry
 from pipeline.relay.relay import Relay
 from pipeline.runtime import Runtime, build_runtime
@@ -283,6 +283,10 @@ def app_in_global_registry(module: str) -> Iterator[None]:
     """
     with global_registry_kept():
         for subscription in app_registry(module).all():
+            if subscription.consumer == CANARY_CONSUMER:
+                # added by a runtime built on the app's registry (build_runtime adds the
+                # built-in canary): an import of the app, as in a process, registers none
+                continue
             global_registry.remove(subscription.consumer)
             global_registry.add(subscription)
         yield
