@@ -1,10 +1,11 @@
-"""Events sent to nobody, with real relay and worker processes.
+"""Events sent to nobody: real relay and worker processes refuse them or send them on.
 
 A relay (or publishing worker) started without the modules that register the consumers
 of the events waiting in the outbox refuses to start with one clear line, unless told
 that is meant (``--allow-unrouted``); events it then sends to nobody are found by
 ``pipeline status`` (a problem) and ``pipeline dlq unrouted``, and ``pipeline dlq
-resend-unrouted`` sends them again, audited, once their consumers run.
+resend-unrouted`` sends them again, audited, once their consumers run (there, in this
+process: the resend is the subject, not the processes).
 """
 
 from __future__ import annotations
@@ -16,13 +17,11 @@ from pipeline import NewEvent, Settings
 from tests.integration.test_inbox import inbox_settings, scalar, stage_counts
 from tests.support import (
     cli_argv,
-    log_size,
     pipeline_env,
     produce,
     run_cli,
+    running_pipeline,
     start_process,
-    start_relay,
-    start_worker,
     stop_process,
     wait_until,
 )
@@ -108,19 +107,10 @@ def test_unrouted_events_are_refused_recorded_reported_and_sent_again(
     assert audit == {"action": "dlq.resend_unrouted", "affected": 3, "reason": "ledger deployed"}
     assert unrouted_count(engine) == 0
 
-    relay_log, worker_log = tmp_path / "relay.log", tmp_path / "worker.log"
-    relay = start_relay(settings, APP, relay_log, "--metrics-port", "0")
-    worker = start_worker(settings, APP, worker_log, 1, 2)
-    try:
-        wait_until(
-            lambda: len(stage_counts(engine, "ledger")) == 3,
-            timeout=60,
-            progress=lambda: log_size(relay_log, worker_log),
-            alive=[relay, worker],
-        )
-    finally:
-        stop_process(worker)
-        stop_process(relay)
+    # Their consumers now run (a relay and a worker in this process: what is tested is
+    # that the events resent reach them, once each, not the processes).
+    with running_pipeline(settings, APP, threads=2):
+        wait_until(lambda: len(stage_counts(engine, "ledger")) == 3, timeout=60)
     assert stage_counts(engine, "ledger") == Counter({o: 1 for o in orders})
     status = run_cli(["status"], env)
     assert "sent to no consumer: none" in status.stdout
