@@ -32,11 +32,13 @@ from pipeline.envelope import decode_envelope
 from pipeline.observability import metrics, tracing
 from pipeline.registry import CANARY_CONSUMER, CANARY_EVENT_TYPE
 from pipeline.relay.state import StateCollector
+from pipeline.runtime import build_runtime
 from pipeline.transport.publisher import Delivery, PermanentPublishError
 from tests.integration.conftest import drainer_for
 from tests.support import (
     ROOT,
     Ran,
+    app_registry,
     cli_argv,
     otlp_attributes,
     pipeline_env,
@@ -45,6 +47,7 @@ from tests.support import (
     queue_messages,
     run_cli,
     run_cli_process,
+    running_relay,
     start_process,
     start_worker,
     stop_process,
@@ -793,38 +796,40 @@ def test_worker_metrics_aggregate_dramatiq_processes(engine, settings, tmp_path)
     settings = settings.replace(batch_size=50)
     configure(settings)
     port = free_port()
-    relay_log, worker_log = tmp_path / "relay.log", tmp_path / "worker.log"
-    env = pipeline_env(settings, APP, PIPELINE_METRICS_PORT="0")
-    relay = start_process(cli_argv("relay", "--mode", "workers"), env, relay_log)
+    worker_log = tmp_path / "worker.log"
     worker = start_process(
         worker_argv(2, 2, "--metrics-port", str(port)),
         pipeline_env(settings, APP),
         worker_log,
     )
+    # The relay runs in this process: it only hands the worker processes their publishing.
+    runtime = build_runtime(settings, app_registry(APP), set_global_broker=False)
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         scrape_when_up(url, worker, worker_log)
-        produce(
-            engine, [NewEvent("order.placed", {"i": i}, aggregate_id=str(i)) for i in range(300)]
-        )
-
-        def published() -> float:
-            found = re.search(
-                r'^pipeline_events_published_total\{event_type="order.placed"\} (\S+)$',
-                scrape(url),
-                re.MULTILINE,
+        with running_relay(runtime, runtime.registry, mode="workers"):
+            produce(
+                engine,
+                [NewEvent("order.placed", {"i": i}, aggregate_id=str(i)) for i in range(300)],
             )
-            return float(found.group(1)) if found else 0.0
 
-        wait_until(lambda: published() == 300, timeout=60, interval=0.2)
-        text = scrape(url)
-        multiproc_dir = Path(
-            re.search(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", _environ_of(worker)).group(1)
-        )
-        assert len(list(multiproc_dir.glob("*.db"))) >= 2  # files of several processes
+            def published() -> float:
+                found = re.search(
+                    r'^pipeline_events_published_total\{event_type="order.placed"\} (\S+)$',
+                    scrape(url),
+                    re.MULTILINE,
+                )
+                return float(found.group(1)) if found else 0.0
+
+            wait_until(lambda: published() == 300, timeout=60, interval=0.2)
+            text = scrape(url)
+            multiproc_dir = Path(
+                re.search(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", _environ_of(worker)).group(1)
+            )
+            assert len(list(multiproc_dir.glob("*.db"))) >= 2  # files of several processes
     finally:
         stop_process(worker)
-        stop_process(relay)
+        runtime.close()
     assert worker.returncode == 0, worker_log.read_text()
     assert not multiproc_dir.exists(), "the temporary multiprocess directory is removed"
     promtool_check(text)
@@ -869,7 +874,14 @@ def _environ_of(process: subprocess.Popen[bytes]) -> str:
     return Path(f"/proc/{children[0]}/environ").read_bytes().replace(b"\0", b" ").decode()
 
 
-def test_worker_stops_dramatiq_on_sigterm(settings, tmp_path):
+def worker_rows(engine) -> int:
+    with engine.connect() as conn:
+        return int(conn.exec_driver_sql("SELECT count(*) FROM pipeline.worker_state").scalar())
+
+
+def test_worker_stops_dramatiq_on_sigterm_and_its_heartbeat_row_goes(engine, settings, tmp_path):
+    """SIGTERM stops the Dramatiq processes cleanly: exit 0, and each one's heartbeat row
+    in ``worker_state`` is removed on the way out (a killed one's would stay)."""
     log = tmp_path / "worker.log"
     port = free_port()
     worker = start_process(
@@ -880,8 +892,10 @@ def test_worker_stops_dramatiq_on_sigterm(settings, tmp_path):
     scrape_when_up(f"http://127.0.0.1:{port}/metrics", worker, log)
     children = child_pids(worker.pid)
     assert children
+    wait_until(lambda: worker_rows(engine) == 1, timeout=60, alive=[worker])
     worker.send_signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0, log.read_text()
+    assert worker_rows(engine) == 0
     for pid in children:
         assert (
             not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()

@@ -12,7 +12,17 @@ import os
 import signal
 
 from pipeline import Settings
-from tests.support import pipeline_env, run_cli, start_worker, stop_process, wait_until
+from pipeline.heartbeat import WorkerHeartbeat
+from pipeline.runtime import build_runtime
+from tests.support import (
+    app_registry,
+    pipeline_env,
+    run_cli,
+    running_worker,
+    start_worker,
+    stop_process,
+    wait_until,
+)
 
 APP = "tests.apps.relay_app"
 PROCESSES = 2
@@ -81,21 +91,19 @@ def test_a_live_worker_is_alive_a_paused_one_stale_a_killed_one_gone(
             conn.exec_driver_sql("DELETE FROM pipeline.worker_state")
 
 
-def test_a_worker_that_stops_cleanly_removes_its_rows(settings: Settings, engine, tmp_path):
+def test_a_worker_that_stops_cleanly_removes_its_rows(settings: Settings, engine):
+    """The heartbeat middleware on Dramatiq's worker in this process: its row is there
+    while the worker runs, gone once it has stopped (what a SIGTERM does to a real
+    ``pipeline worker``, checked in the observability tests)."""
     quiet = settings.replace(canary_interval=0)
     env = pipeline_env(quiet, APP)
-    worker = start_worker(
-        quiet,
-        APP,
-        tmp_path / "worker.log",
-        processes=1,
-        threads=1,
-        PIPELINE_WORKER_METRICS_PORT="0",
-    )
+    runtime = build_runtime(quiet, app_registry(APP), set_global_broker=False)
+    runtime.broker.add_middleware(WorkerHeartbeat(quiet))
     try:
-        wait_until(lambda: states(env) == ["idle"], timeout=60, alive=[worker])
-        worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=30) == 0
+        with running_worker(runtime, threads=1):
+            wait_until(lambda: states(env) == ["idle"], timeout=60)
         assert workers(env) == []
     finally:
-        stop_process(worker)
+        runtime.close()
+        with engine.begin() as conn:
+            conn.exec_driver_sql("DELETE FROM pipeline.worker_state")
