@@ -1,16 +1,17 @@
 """`pipeline status` per consumer: its figures equal what the test made happen.
 
-A real relay and real worker processes handle events for two consumers, one that always
-succeeds and one that always fails (one retry, then a dead letter); the test then sends
-copies of processed events (duplicates) and lets the ledger sweep send again events
-whose deliveries Redis "forgot" (re-deliveries).
+A relay and a worker handle events for two consumers, one that always succeeds and one
+that always fails (one retry, then a dead letter); the test then sends copies of
+processed events (duplicates) and lets the ledger sweep send again events whose
+deliveries Redis "forgot" (re-deliveries). The relay, the worker and ``pipeline status``
+run in this process: the figures, not the processes, are the subject.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import uuid
+from contextlib import ExitStack
 
 import psycopg
 import pytest
@@ -23,12 +24,12 @@ from pipeline.relay.ledger import DeliveryLedger
 from pipeline.runtime import build_runtime
 from pipeline.transport.publisher import Delivery
 from tests.support import (
-    cli_argv,
+    app_registry,
     pipeline_env,
     produce,
-    start_relay,
-    start_worker,
-    stop_process,
+    run_cli,
+    running_relay,
+    running_worker,
     wait_until,
 )
 
@@ -56,24 +57,30 @@ def outbox_events(url: str, ids: list[uuid.UUID]) -> list[OutboxEvent]:
 
 
 def status_json(settings: Settings, *args: str) -> dict[str, object]:
-    result = subprocess.run(
-        cli_argv("status", "--json", "--app", APP, *args),
-        env=pipeline_env(settings, APP),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    result = run_cli(["status", "--json", "--app", APP, *args], pipeline_env(settings, APP))
     assert result.returncode in (0, 1), result.stderr  # 1: unhealthy (the dead letters)
     return json.loads(result.stdout)
 
 
+def horizon_passed_last_sweep(conn: psycopg.Connection[tuple[object, ...]], horizon: float) -> bool:
+    """Whether ``horizon`` seconds before now is past where the last ledger sweep ended."""
+    row = conn.execute(
+        "SELECT clock_timestamp() - make_interval(secs => %s) > swept_to"
+        " FROM pipeline.delivery_sweep",
+        (horizon,),
+    ).fetchone()
+    return bool(row and row[0])
+
+
 @pytest.mark.timeout(240)
-def test_status_per_consumer_figures_equal_the_ground_truth(settings, engine, tmp_path):
+def test_status_per_consumer_figures_equal_the_ground_truth(settings, engine):
     url = settings.require_database_url()
-    relay = start_relay(settings, APP, tmp_path / "relay.log", "--mode", "inline")
-    worker = start_worker(settings, APP, tmp_path / "worker.log", processes=1, threads=4)
-    try:
+    app = build_runtime(settings, app_registry(APP), set_global_broker=False)
+    with ExitStack() as running:
+        running.callback(app.close)
+        running.enter_context(running_worker(app, threads=4))
+        relay = running.enter_context(ExitStack())
+        relay.enter_context(running_relay(app, app.registry, mode="inline"))
         ids = produce(engine, [NewEvent("order.placed", {"i": i}) for i in range(EVENTS)])
         wait_until(
             lambda: (
@@ -87,7 +94,7 @@ def test_status_per_consumer_figures_equal_the_ground_truth(settings, engine, tm
             timeout=90,
             interval=0.2,
         )
-        stop_process(relay)  # from here on only this test sends anything
+        relay.close()  # the relay stopped: from here on only this test sends anything
 
         routes = Registry()
         tally = routes.subscribe("tally", ["order.placed"])
@@ -123,6 +130,9 @@ def test_status_per_consumer_figures_equal_the_ground_truth(settings, engine, tm
                 ledger = DeliveryLedger(
                     settings.replace(redelivery_horizon_seconds=1.0), routes, runtime.publisher
                 )
+                # The relay's own sweeps (the last one maybe a moment ago) accounted up to
+                # their end; this one's window opens once its horizon has passed that end.
+                wait_until(lambda: horizon_passed_last_sweep(conn, 1.0), timeout=30)
                 swept = ledger.sweep(conn)
             assert swept.accounted == FORGOTTEN
             assert swept.redelivered == {"tally": FORGOTTEN}
@@ -140,9 +150,6 @@ def test_status_per_consumer_figures_equal_the_ground_truth(settings, engine, tm
             )
         finally:
             runtime.close()
-    finally:
-        stop_process(worker)
-        stop_process(relay)
 
     # The ground truth, counted from what the test did (and checked against the tables).
     assert scalar(url, "SELECT count(*) FROM pipeline.dead_letters") == EVENTS
@@ -190,14 +197,7 @@ def test_status_per_consumer_figures_equal_the_ground_truth(settings, engine, tm
 
 def test_status_text_lists_each_consumer_and_rejects_a_bad_interval(settings):
     env = pipeline_env(settings, APP)
-    text = subprocess.run(
-        cli_argv("status", "--app", APP, "--interval", "90s"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    text = run_cli(["status", "--app", APP, "--interval", "90s"], env)
     assert text.returncode == 0, text.stderr
     lines = text.stdout.splitlines()
     header = lines.index("consumers (last 90s):")
@@ -215,14 +215,7 @@ def test_status_text_lists_each_consumer_and_rejects_a_bad_interval(settings):
         ["grumpy", "0", "0.00", "0", "0", "0", "0"],
         ["tally", "0", "0.00", "0", "0", "0", "0"],
     ]
-    bad = subprocess.run(
-        cli_argv("status", "--interval", "soon"),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    bad = run_cli(["status", "--interval", "soon"], env)
     assert bad.returncode == 2
     assert "Invalid value for '--interval': 'soon' is not a duration" in bad.stderr
     assert "Traceback" not in bad.stderr
