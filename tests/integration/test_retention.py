@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import uuid
 from dataclasses import dataclass, field
 
@@ -18,7 +17,15 @@ import pytest
 from pipeline.config import Settings
 from pipeline.db.retention import TABLES, Pruner, RetentionPolicy
 from pipeline.policy import ConsumerPolicy, retention_problems
-from tests.support import cli_argv, pipeline_env, start_process, stop_process, wait_until
+from tests.support import (
+    Ran,
+    cli_argv,
+    pipeline_env,
+    run_cli,
+    start_process,
+    stop_process,
+    wait_until,
+)
 
 OLD = 2000.0  # seconds ago: past every retention below
 YOUNG = 100.0  # seconds ago: inside every retention
@@ -256,7 +263,8 @@ def test_prune_deletes_exactly_the_expired_rows_and_nothing_still_needed(retenti
         assert pruner.run(conn).deleted == 0
 
 
-def prune_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str]:
+def prune_cli(settings: Settings, *args: str) -> Ran:
+    """``pipeline prune ARGS`` in this process (the command, not its process, is tested)."""
     env = pipeline_env(
         settings,
         "",
@@ -265,14 +273,7 @@ def prune_cli(settings: Settings, *args: str) -> subprocess.CompletedProcess[str
         PIPELINE_ATTEMPTS_RETENTION_SECONDS=str(RETENTION),
         PIPELINE_AUDIT_RETENTION_SECONDS=str(RETENTION),
     )
-    return subprocess.run(
-        cli_argv("prune", *args),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return run_cli(["prune", *args], env)
 
 
 def test_dry_run_changes_nothing_and_reports_what_prune_then_deletes(retention_settings):
@@ -362,15 +363,9 @@ def test_prune_and_doctor_judge_a_short_inbox_retention_in_the_words_a_worker_re
     assert json.loads(done.stdout)["deleted"] > 0  # what the refusals held back
 
 
-def cli(settings: Settings, app: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        cli_argv(*args),
-        env=pipeline_env(settings, app, **env),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+def cli(settings: Settings, app: str, *args: str, **env: str) -> Ran:
+    """``pipeline ARGS`` in this process, with test app ``app``'s consumers."""
+    return run_cli(args, pipeline_env(settings, app, **env))
 
 
 def test_prune_refuses_while_another_pass_holds_the_lock(retention_settings):
