@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -792,7 +791,13 @@ def test_relay_metrics_endpoint_passes_promtool_and_matches_the_docs(settings, t
         assert series(text, "pipeline_events_unrouted_total", event_type=event_type) == 0.0
 
 
-def test_worker_metrics_aggregate_dramatiq_processes(engine, settings, tmp_path):
+def test_worker_metrics_aggregate_dramatiq_processes_that_stop_cleanly_on_sigterm(
+    engine, settings, tmp_path
+):
+    """The worker's endpoint sums the metric files of its Dramatiq processes; SIGTERM then
+    stops them cleanly: exit 0, every process gone, each one's heartbeat row in
+    ``worker_state`` removed on the way out (a killed one's would stay), the temporary
+    metrics directory removed."""
     settings = settings.replace(batch_size=50)
     configure(settings)
     port = free_port()
@@ -827,10 +832,18 @@ def test_worker_metrics_aggregate_dramatiq_processes(engine, settings, tmp_path)
                 re.search(r"PROMETHEUS_MULTIPROC_DIR=(\S+)", _environ_of(worker)).group(1)
             )
             assert len(list(multiproc_dir.glob("*.db"))) >= 2  # files of several processes
+        children = child_pids(worker.pid)
+        assert children
+        wait_until(lambda: worker_rows(engine) == 2, timeout=60, alive=[worker])
     finally:
-        stop_process(worker)
+        stop_process(worker)  # SIGTERM (a SIGKILL, after 20 s, would not exit 0)
         runtime.close()
     assert worker.returncode == 0, worker_log.read_text()
+    assert worker_rows(engine) == 0
+    for pid in children:
+        assert (
+            not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
+        )
     assert not multiproc_dir.exists(), "the temporary multiprocess directory is removed"
     promtool_check(text)
     check_against_docs(text, "worker")
@@ -877,29 +890,6 @@ def _environ_of(process: subprocess.Popen[bytes]) -> str:
 def worker_rows(engine) -> int:
     with engine.connect() as conn:
         return int(conn.exec_driver_sql("SELECT count(*) FROM pipeline.worker_state").scalar())
-
-
-def test_worker_stops_dramatiq_on_sigterm_and_its_heartbeat_row_goes(engine, settings, tmp_path):
-    """SIGTERM stops the Dramatiq processes cleanly: exit 0, and each one's heartbeat row
-    in ``worker_state`` is removed on the way out (a killed one's would stay)."""
-    log = tmp_path / "worker.log"
-    port = free_port()
-    worker = start_process(
-        worker_argv(1, 1, "--metrics-port", str(port)),
-        pipeline_env(settings, APP),
-        log,
-    )
-    scrape_when_up(f"http://127.0.0.1:{port}/metrics", worker, log)
-    children = child_pids(worker.pid)
-    assert children
-    wait_until(lambda: worker_rows(engine) == 1, timeout=60, alive=[worker])
-    worker.send_signal(signal.SIGTERM)
-    assert worker.wait(timeout=30) == 0, log.read_text()
-    assert worker_rows(engine) == 0
-    for pid in children:
-        assert (
-            not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text()
-        )
 
 
 def test_metrics_server_binds_loopback_by_default(settings):
