@@ -120,6 +120,7 @@ def test_a_wait_and_its_fetch_are_one_round_trip(broker):
     broker.do_enqueue(QUEUE, "raw-id", Message(QUEUE, "noop", (7,), {}, {}).encode())
     broker.client.lpush(wake_key(broker.namespace, QUEUE), "1")
 
+    broker._last_fetch_heartbeat = float("-inf")  # the heartbeat is due: it rides along
     messages = broker.wait_and_fetch(QUEUE, 4, 1000)
 
     assert [(i, Message.decode(m).args) for i, m in messages] == [("raw-id", (7,))]
@@ -308,3 +309,31 @@ def test_a_delayed_message_runs_when_due_not_when_the_idle_wait_ends(broker):
         assert ran[0] - sent < 3.0, f"ran {ran[0] - sent:.2f} s after it was sent"
     finally:
         worker.stop(timeout=10_000)
+
+
+def test_fetches_beat_once_an_interval_and_lend_their_maintenance_chances(broker):
+    """Every consumer thread fetches at least once per idle wait; the process's heartbeat
+    (Dramatiq's dispatch call) rides on one fetch per interval, and that call carries the
+    maintenance chances of the fetches that went without it."""
+    chances: list[int] = []
+    push = broker.push_dispatch
+
+    def counted(pipe: Any, command: str, queue_name: str, *args: Any, **options: Any) -> None:
+        if command == "fetch":
+            chances.append(options.get("chances", 1))
+        push(pipe, command, queue_name, *args, **options)
+
+    broker.push_dispatch = counted  # type: ignore[method-assign]
+    broker.heartbeat_every = 3600.0  # the loop below stays within one interval
+    for _ in range(50):
+        assert broker.fetch(QUEUE, 1) == []
+    assert chances == [1]  # the first fetch beat, the other 49 did not
+    beat = broker.client.zscore(heartbeats_key(broker.namespace), broker.broker_id)
+    assert beat is not None and beat > time.time() * 1000 - 60_000
+    broker._last_fetch_heartbeat -= broker.heartbeat_every  # an interval later
+    broker.fetch(QUEUE, 1)
+    assert chances == [1, 50]  # the 49 without a beat and this one
+    # a message still arrives on a fetch without the heartbeat
+    sent = broker.enqueue(Message(QUEUE, "actor", (), {}, {}))
+    (fetched,) = broker.fetch(QUEUE, 1)
+    assert fetched[0] == sent.options[REDIS_MESSAGE_ID] and chances == [1, 50]

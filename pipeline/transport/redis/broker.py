@@ -11,7 +11,8 @@ Every enqueue pushes a wake-up (the relay's publisher with each batch, this brok
 for Dramatiq's own enqueues). The wait and the fetch after it travel in one pipeline:
 Redis runs the fetch the moment the wait ends, so a wake-up costs no second round
 trip, and a wait that timed out still fetches (messages requeued by Dramatiq's
-maintenance carry no wake-up) and keeps the heartbeat fresh. One wake-up wakes one
+maintenance carry no wake-up). The process's heartbeat rides on one fetch a second (a
+call of Dramatiq's dispatch script), not on every consumer thread's. One wake-up wakes one
 consumer; one whose fetch came back full passes a wake-up on, so others join in on a
 backlog.
 
@@ -93,6 +94,8 @@ def _log_missing_bodies(queue_name: str, duplicates: int, lost: int) -> None:
 
 
 ORPHAN_LOOK_SECONDS = 15.0
+HEARTBEAT_EVERY_SECONDS = 1.0
+"""How often a worker process's fetches refresh its heartbeat, at most."""
 """How often a consumer looks for un-acked ids of its own that it no longer holds."""
 
 T = TypeVar("T")
@@ -147,7 +150,8 @@ return bare
 # ARGV[1] how many to fetch. Dramatiq's fetch (dispatch.lua: pop ids off the head of the
 # queue, record each in the un-acked set, read their bodies), returning each id followed
 # by its body (nil when there is none) instead of the bodies alone. The heartbeat and
-# maintenance that Dramatiq's fetch does ride on a call of its script that fetches none.
+# maintenance that Dramatiq's fetch does ride on a call of its script that fetches none,
+# made once a second a process (PipelineRedisBroker._fetch_heartbeat_due).
 _FETCH_WITH_IDS = """
 local fetched = {}
 for _ = 1, tonumber(ARGV[1]) do
@@ -499,6 +503,10 @@ class PipelineRedisBroker(RedisBroker):
         self.outage = BrokerOutage("Redis", cap=outage_backoff_max)
         self.take_bare_values = self.client.register_script(_TAKE_BARE_VALUES)
         self.fetch_with_ids = self.client.register_script(_FETCH_WITH_IDS)
+        # The fetches' heartbeat: one dispatch call a process per interval (see _fetch).
+        self.heartbeat_every = min(HEARTBEAT_EVERY_SECONDS, self.heartbeat_timeout / 4000)
+        self._last_fetch_heartbeat = float("-inf")
+        self._fetches_since_heartbeat = 0
 
     @property
     def consumer_class(self) -> type[WakeableRedisConsumer]:
@@ -567,15 +575,27 @@ class PipelineRedisBroker(RedisBroker):
         pipe.ltrim(key, 0, 0)
 
     def push_dispatch(
-        self, pipe: Any, command: str, queue_name: str, *args: object, maintenance: bool = True
+        self,
+        pipe: Any,
+        command: str,
+        queue_name: str,
+        *args: object,
+        maintenance: bool = True,
+        chances: int = 1,
     ) -> None:
         """Add to ``pipe`` a call of Dramatiq's dispatch script, as its ``do_<command>`` makes.
 
         ``EVALSHA`` directly, without redis-py's ``SCRIPT EXISTS`` round trip: a caller
         whose server lost its scripts gets ``NoScriptError`` and loads them.
-        ``maintenance=False`` never asks the script for maintenance on this call.
+        ``maintenance=False`` never asks the script for maintenance on this call;
+        ``chances`` gives it the maintenance chances of that many calls (of calls it
+        stands for and that were not made).
         """
-        do_maintenance = self._should_do_maintenance(command) if maintenance else 0
+        do_maintenance = (
+            int(any(self._should_do_maintenance(command) for _ in range(chances)))
+            if maintenance
+            else 0
+        )
         pipe.evalsha(
             self.scripts["dispatch"].sha,
             1,
@@ -596,8 +616,9 @@ class PipelineRedisBroker(RedisBroker):
         body) pairs, the body None where the id has none, as Dramatiq's fetch does: the ids
         move from the queue to this worker's un-acked set.
 
-        One round trip: a call of Dramatiq's dispatch script that fetches none (the
-        heartbeat, and maintenance by chance) and the fetch script, in one pipeline.
+        One round trip: the fetch script and, when the process's heartbeat is due
+        (:meth:`_fetch_heartbeat_due`), a call of Dramatiq's dispatch script that fetches
+        none (the heartbeat, and maintenance by chance), in one pipeline.
         """
         return self._fetch(queue_name, wanted, None)
 
@@ -607,8 +628,8 @@ class PipelineRedisBroker(RedisBroker):
         """Wait up to ``timeout_ms`` for a wake-up, then :meth:`fetch`.
 
         One round trip: the wait goes in the fetch's pipeline, and Redis runs the fetch as
-        soon as the wait ends, woken or not. The fetch's timestamp (its heartbeat) is taken
-        before the wait, at most ``timeout_ms`` early, far inside the heartbeat timeout.
+        soon as the wait ends, woken or not. A heartbeat's timestamp is taken before the
+        wait, at most ``timeout_ms`` early, far inside the heartbeat timeout.
         """
         return self._fetch(queue_name, wanted, timeout_ms)
 
@@ -619,7 +640,10 @@ class PipelineRedisBroker(RedisBroker):
         pipe = self.client.pipeline(transaction=False)
         if timeout_ms is not None:
             pipe.blpop([wake_key(namespace, queue_name)], max(timeout_ms / 1000, 0.01))
-        self.push_dispatch(pipe, "fetch", queue_name, 0)
+        heartbeat = self._fetch_heartbeat_due()
+        if heartbeat:
+            chances, self._fetches_since_heartbeat = self._fetches_since_heartbeat, 0
+            self.push_dispatch(pipe, "fetch", queue_name, 0, chances=chances)
         pipe.evalsha(
             self.fetch_with_ids.sha,
             3,
@@ -630,7 +654,8 @@ class PipelineRedisBroker(RedisBroker):
         )
         # Replies checked one by one: a failed wait is only a missed hint, but a fetch that
         # succeeded holds messages already moved to this worker's un-acked set.
-        *_, dispatched, fetched = pipe.execute(raise_on_error=False)
+        replies = pipe.execute(raise_on_error=False)
+        fetched, dispatched = replies[-1], replies[-2] if heartbeat else None
         lost_scripts = redis.exceptions.NoScriptError
         if isinstance(dispatched, lost_scripts) or isinstance(fetched, lost_scripts):
             self.client.script_load(self.scripts["dispatch"].script)  # Redis restarted, or
@@ -642,6 +667,22 @@ class PipelineRedisBroker(RedisBroker):
         if isinstance(fetched, Exception):
             raise fetched
         return [(_text(i), body) for i, body in zip(fetched[::2], fetched[1::2], strict=True)]
+
+    def _fetch_heartbeat_due(self) -> bool:
+        """Whether this fetch carries the process's heartbeat (Dramatiq's dispatch call,
+        which fetches nothing here). Every consumer thread fetches at least once per idle
+        wait, and each call of the script costs Redis a script run and this process a
+        reply to parse, so one a process per ``heartbeat_every`` is enough: a quarter of
+        the heartbeat timeout at most, and acknowledgements beat too. The fetches in
+        between lend it their maintenance chances, so Dramatiq's maintenance (requeueing
+        a dead worker's messages) runs as often as before.
+        """
+        self._fetches_since_heartbeat += 1
+        now = time.monotonic()
+        if now - self._last_fetch_heartbeat < self.heartbeat_every:
+            return False
+        self._last_fetch_heartbeat = now
+        return True
 
 
 def make_broker(
