@@ -3,7 +3,12 @@
 Each node has its own name (``pl<run>-<i>@localhost``), AMQP, distribution and
 management ports (free ports picked at start), data directory and configuration; all
 share one Erlang cookie (a ``HOME`` of the cluster's own), so they can cluster and
-``rabbitmqctl`` can reach them. Nodes 2..N join node 1. A node can be killed
+``rabbitmqctl`` can reach them. Node 1 starts first; nodes 2..N join it as they boot
+(peer discovery from their configuration, which names node 1), so forming the cluster
+takes no ``rabbitmqctl`` call: each starts an Erlang VM of its own (about a second of CPU
+and wall) and ``stop_app`` alone took seconds. A node counts as up once its AMQP listener
+accepts (RabbitMQ opens it last, when booted) and its management API lists it running;
+the cluster once node 1's lists every node running. A node can be killed
 (``SIGKILL`` of its process group), stopped and started again with its data, which is
 what the fault tests do. A watchdog process kills the nodes (and deletes the cluster's
 directory, if it made it) should the owner die without cleaning up. The machine's own
@@ -20,6 +25,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -27,12 +33,14 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.errors import BinaryNotFoundError, ServerStartError
+from pipeline.errors import BinaryNotFoundError, ServerStartError, ServiceUnavailableError
 from pipeline.tools.harness.server import HOST, free_port
 from pipeline.tools.harness.watchdog import Watchdog
+from pipeline.transport.amqp.management import Management
 
 SCRIPT_DIRS = (Path("/usr/lib/rabbitmq/bin"), Path("/usr/local/lib/rabbitmq/bin"))
 START_TIMEOUT = 180.0
+POLL_SECONDS = 0.2  # between readiness checks: a TCP connect and an HTTP GET, cheap
 
 
 def find_rabbitmq_bin() -> Path:
@@ -116,27 +124,31 @@ class RabbitCluster:
         if not cookie.exists():
             cookie.write_text(f"PIPELINE{uuid.uuid4().hex.upper()}")
             cookie.chmod(0o400)
-        for node in self.nodes:
-            node.amqp_port, node.dist_port, node.management_port = (
-                free_port(),
-                free_port(),
-                free_port(),
-            )
-            self._write_config(node)
-            self._spawn(node)
         deadline = time.monotonic() + timeout
-        for node in self.nodes:
+        first, rest = self.nodes[0], self.nodes[1:]
+        # Node 1 first: a node that boots while none it names answers starts on its own.
+        self._spawn_new(first)
+        self.await_node(first, deadline)
+        for node in rest:
+            self._spawn_new(node)
+        for node in rest:
             self.await_node(node, deadline)
-        first = self.nodes[0]
-        for node in self.nodes[1:]:
-            self.ctl(node, "stop_app")
-            self.ctl(node, "join_cluster", first.name)
-            self.ctl(node, "start_app")
-            self.await_node(node, deadline)
+        self.await_members(deadline)
+
+    def _spawn_new(self, node: RabbitNode) -> None:
+        """Start a node for the first time, on ports picked just before (the sooner a
+        free port is bound, the less likely another process on the machine took it)."""
+        node.amqp_port, node.dist_port, node.management_port = (
+            free_port(),
+            free_port(),
+            free_port(),
+        )
+        self._write_config(node)
+        self._spawn(node)
 
     def _write_config(self, node: RabbitNode) -> None:
         node.directory.mkdir(parents=True, exist_ok=True)
-        (node.directory / "rabbitmq.conf").write_text(
+        config = (
             f"listeners.tcp.1 = {HOST}:{node.amqp_port}\n"
             "loopback_users = none\n"
             f"management.tcp.port = {node.management_port}\n"
@@ -144,6 +156,15 @@ class RabbitCluster:
             # Stats every second, so that listings (queue depths, members) are fresh.
             "collect_statistics_interval = 1000\n"
         )
+        if node.index > 1:
+            # Joins node 1 on its first boot (a restart keeps the cluster it has). Only
+            # node 1 and itself are named: another new node would be a cluster of its own.
+            config += (
+                "cluster_formation.peer_discovery_backend = classic_config\n"
+                f"cluster_formation.classic_config.nodes.1 = {self.nodes[0].name}\n"
+                f"cluster_formation.classic_config.nodes.2 = {node.name}\n"
+            )
+        (node.directory / "rabbitmq.conf").write_text(config)
         (node.directory / "enabled_plugins").write_text("[rabbitmq_management].\n")
         (node.directory / "rabbitmq-env.conf").write_text("")
 
@@ -210,20 +231,51 @@ class RabbitCluster:
         return result.stdout
 
     def await_node(self, node: RabbitNode, deadline: float) -> None:
-        """Wait until the node's RabbitMQ application runs (or raise with its log's tail)."""
-        while True:
+        """Wait until the node serves (see :meth:`serves`), or raise with its log's tail."""
+        while not self.serves(node):
             if not node.running:
                 raise ServerStartError(f"RabbitMQ node {node.name} exited: {self.log_tail(node)}")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if time.monotonic() >= deadline:
                 raise ServerStartError(
                     f"RabbitMQ node {node.name} not up in time: {self.log_tail(node)}"
                 )
-            try:
-                self.ctl(node, "await_startup", "--timeout", str(int(min(remaining, 30)) or 1))
-                return
-            except (ServerStartError, subprocess.TimeoutExpired):
-                time.sleep(1)
+            time.sleep(POLL_SECONDS)
+
+    def serves(self, node: RabbitNode) -> bool:
+        """The node's AMQP listener accepts and its management API lists it running.
+
+        RabbitMQ opens its client listeners last, once its boot steps and plugins ran (what
+        ``rabbitmqctl await_startup`` waits for), and checking that costs no Erlang VM.
+        """
+        if not node.running:
+            return False
+        try:
+            with socket.create_connection((HOST, node.amqp_port), timeout=2):
+                pass
+        except OSError:
+            return False
+        return node.name in self.running_members(node)
+
+    def running_members(self, node: RabbitNode) -> set[str]:
+        """The cluster's running nodes as ``node``'s management API lists them (none when
+        it does not answer)."""
+        try:
+            listed = Management(node.url, node.management_url, timeout=5).nodes()
+        except ServiceUnavailableError:
+            return set()
+        return {str(entry["name"]) for entry in listed if entry.get("running")}
+
+    def await_members(self, deadline: float) -> None:
+        """Wait until node 1 lists every node of the cluster running (or raise)."""
+        first = self.nodes[0]
+        wanted = {node.name for node in self.nodes}
+        while (members := self.running_members(first)) != wanted:
+            if time.monotonic() >= deadline:
+                raise ServerStartError(
+                    f"RabbitMQ cluster not formed in time: {first.name} lists "
+                    f"{sorted(members)} running, not {sorted(wanted)}"
+                )
+            time.sleep(POLL_SECONDS)
 
     def log_tail(self, node: RabbitNode, lines: int = 5) -> str:
         path = node.directory / "node.log"
