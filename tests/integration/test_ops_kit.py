@@ -5,7 +5,7 @@ own (the test restarts it), a real ``pipeline relay`` (reaching Postgres through
 proxy the tests can stall) and ``pipeline worker`` running
 ``tests.apps.ops_app`` under a steady load, and a real Prometheus (its own config, port
 and data directory) scraping both and evaluating a copy of the rules whose range windows
-are 30 times shorter and ``for:`` durations 60 times (``shortened_rules``): the committed
+are 30 times shorter and ``for:`` durations 120 times (``shortened_rules``): the committed
 rules rendered for this deployment, whose workload sends ``audit.noted`` events to no
 consumer on purpose (``--allowed-unrouted-type audit.noted``); the expressions,
 thresholds, labels and annotations are otherwise the committed ones.
@@ -66,13 +66,20 @@ APP = "tests.apps.ops_app"
 KIT = KitOptions(allowed_unrouted_types=("audit.noted",))
 FIRE_TIMEOUT = 90.0  # seconds for an alert to fire once its fault is in place
 RESOLVE_TIMEOUT = 120.0
-FOR_SCALE = 60  # `for: 10m` waits 10 s: the alerts fire sooner, the same ones go pending
+# `for: 10m` waits 5 s (2 s at least): the alerts fire sooner, the same ones go pending, and
+# every second a test waits for an alert costs the load's CPU on a shared machine
+FOR_SCALE = 120
 
 
 class Load(threading.Thread):
-    """Orders at a steady rate (each to two consumers), and now and then an unrouted event."""
+    """Orders at a steady rate (each to two consumers), and now and then an unrouted event.
 
-    def __init__(self, engine: Engine, per_second: float = 20.0) -> None:
+    Ten a second give every rate, ratio and panel samples within the shortened windows
+    and a backlog within seconds of a relay's death; each order costs the worker and
+    Postgres CPU for the whole module, so no more than that.
+    """
+
+    def __init__(self, engine: Engine, per_second: float = 10.0) -> None:
         super().__init__(name="ops-load", daemon=True)
         self.engine = engine
         self.interval = 2 / per_second
@@ -87,7 +94,7 @@ class Load(threading.Thread):
                 continue
             tick += 1
             events = [NewEvent("order.placed", {"n": tick, "i": i}) for i in range(2)]
-            if tick % 25 == 0:
+            if tick % 12 == 0:  # one every 2.4 s
                 events.append(NewEvent("audit.noted", {"n": tick}))  # nobody subscribes
             with contextlib.suppress(Exception), Session(self.engine) as session, session.begin():
                 add_events(session, events)
