@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import io
 import json
+import logging
 import os
 import signal
 import struct
@@ -334,6 +336,17 @@ def running_worker(runtime: Runtime, threads: int = 4) -> Iterator[dramatiq.Work
 
 
 @contextmanager
+def running_app_worker(settings: Settings, app: str, threads: int = 4) -> Iterator[dramatiq.Worker]:
+    """Dramatiq's worker in this process for the consumers of test ``app`` (no relay)."""
+    runtime = build_runtime(settings, app_registry(app), set_global_broker=False)
+    try:
+        with running_worker(runtime, threads) as worker:
+            yield worker
+    finally:
+        runtime.close()
+
+
+@contextmanager
 def running_pipeline(
     settings: Settings, app: str, threads: int = 4, **relay_options: Any
 ) -> Iterator[Runtime]:
@@ -467,6 +480,41 @@ def multiprocess_metric(directory: Path, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def process_metric(name: str, **labels: str) -> float:
+    """Sum a metric's samples in this process's default registry (what an in-process
+    worker counts; the counters add up over the tests of a run, so compare before/after)."""
+    from prometheus_client import REGISTRY
+
+    return sum(
+        sample.value
+        for family in REGISTRY.collect()
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+@contextmanager
+def process_log(level: int = logging.INFO) -> Iterator[io.StringIO]:
+    """What this process logs meanwhile, formatted as a ``pipeline`` command writes it
+    (console format, message bodies withheld by the same filter): an in-process worker's
+    log, asserted on as a worker process's log file is."""
+    from pipeline.observability.logging import ConsoleFormatter, WithoutMessageBodies
+
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(ConsoleFormatter())
+    handler.addFilter(WithoutMessageBodies())
+    root = logging.getLogger()
+    level_before = root.level
+    root.addHandler(handler)
+    root.setLevel(level)
+    try:
+        yield stream
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level_before)
 
 
 def start_relay(

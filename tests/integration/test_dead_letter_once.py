@@ -30,13 +30,21 @@ from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
 from pipeline.signing import event_source
 from pipeline.transport.factory import open_transport
+from pipeline.transport.redis import broker as broker_module
 from pipeline.transport.redis.keys import acks_key, heartbeats_key, messages_key, queue_key
 from tests.integration.test_authenticity import KEY, OTHER_KEY, made_up_event, signed_envelope
 from tests.integration.test_follow_ups import waiting_on_advisory_lock
 from tests.integration.test_inbox import RepeatingPublisher, inbox_settings, scalar
 from tests.integration.test_queue_garbage import dead_letters, requeue_as_maintenance_does
 from tests.integration.test_roles import Deployment, deployment
-from tests.support import produce, start_worker, stop_process, wait_until
+from tests.support import (
+    process_log,
+    produce,
+    running_app_worker,
+    start_worker,
+    stop_process,
+    wait_until,
+)
 
 __all__ = ["deployment", "inbox_settings"]  # fixtures re-used here
 
@@ -71,9 +79,10 @@ def test_a_worker_killed_after_recording_a_dead_letter_leaves_one_row(
     engine, inbox_settings: Settings, tmp_path, bad
 ):
     """A message of a bad envelope and a good event: the worker records the bad one, then
-    the good event's handler waits (on a lock the test holds) and the worker is killed
-    before it could acknowledge the message. The message comes back to the next worker,
-    which runs the handler once and does not record the bad envelope a second time."""
+    the good event's handler waits (on a lock the test holds) and the worker process is
+    killed before it could acknowledge the message. The message comes back to the next
+    worker (this process's: the kill is the first one's), which runs the handler once and
+    does not record the bad envelope a second time."""
     settings = inbox_settings.replace(message_key=KEY) if bad == "unauthentic" else inbox_settings
     source = event_source(settings)
     good_event = made_up_event("good", {"slow": 0.01})
@@ -99,14 +108,10 @@ def test_a_worker_killed_after_recording_a_dead_letter_leaves_one_row(
         hold.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": HOLD})
         assert client.hlen(messages_key(namespace, QUEUE)) == 1  # never acknowledged
         requeue_as_maintenance_does(client, namespace, QUEUE)
-        log = tmp_path / "worker.log"
-        worker = start_worker(settings, APP, log, processes=1, threads=1)
-        try:
-            wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, alive=[worker])
-            wait_until(lambda: client.hlen(messages_key(namespace, QUEUE)) == 0, alive=[worker])
+        with process_log() as log, running_app_worker(settings, APP, threads=1):
+            wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1)
+            wait_until(lambda: client.hlen(messages_key(namespace, QUEUE)) == 0)
             assert client.llen(queue_key(namespace, QUEUE)) == 0
-        finally:
-            stop_process(worker)
     finally:
         hold.close()
         client.close()
@@ -116,7 +121,7 @@ def test_a_worker_killed_after_recording_a_dead_letter_leaves_one_row(
         "UnauthenticMessage" if bad == "unauthentic" else "UnprocessableMessage"
     )
     assert scalar(engine, "SELECT count(*) FROM effects") == 1
-    assert "dead-lettered already" in log.read_text(), log.read_text()[-3000:]
+    assert "dead-lettered already" in log.getvalue(), log.getvalue()[-3000:]
 
 
 @pytest.mark.parametrize(
@@ -137,7 +142,7 @@ def test_a_worker_killed_after_recording_a_dead_letter_leaves_one_row(
     ],
 )
 def test_a_message_delivered_again_under_its_id_is_dead_lettered_once(
-    engine, inbox_settings: Settings, tmp_path, args, kwargs, actor
+    engine, inbox_settings: Settings, args, kwargs, actor
 ):
     """The same Dramatiq message delivered twice (as after a worker died before it
     acknowledged it, or as Dramatiq retries it): one dead letter. A message with the same
@@ -147,24 +152,22 @@ def test_a_message_delivered_again_under_its_id_is_dead_lettered_once(
     enqueue(inbox_settings, inbox_message(tuple(args), kwargs, actor))  # another message id
     client = redis.Redis.from_url(inbox_settings.require_redis_url())
     namespace = inbox_settings.redis_namespace
-    log = tmp_path / "worker.log"
-    worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
     try:
-        wait_until(lambda: client.hlen(messages_key(namespace, QUEUE)) == 0, alive=[worker])
-        wait_until(lambda: client.llen(queue_key(namespace, QUEUE)) == 0, alive=[worker])
+        with process_log() as log, running_app_worker(inbox_settings, APP, threads=2):
+            wait_until(lambda: client.hlen(messages_key(namespace, QUEUE)) == 0)
+            wait_until(lambda: client.llen(queue_key(namespace, QUEUE)) == 0)
     finally:
-        stop_process(worker)
         client.close()
     letters = dead_letters(engine)
     assert len(letters) == 2, letters
     assert letters[0]["reason"] == letters[1]["reason"]
-    assert "dead-lettered already" in log.read_text(), log.read_text()[-3000:]
+    assert "dead-lettered already" in log.getvalue(), log.getvalue()[-3000:]
     if actor == ACTOR:  # (Dramatiq itself logs a traceback for an unknown actor)
-        assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+        assert "Traceback" not in log.getvalue(), log.getvalue()[-3000:]
 
 
 def test_an_event_whose_handler_failed_every_retry_is_dead_lettered_once(
-    engine, inbox_settings: Settings, tmp_path
+    engine, inbox_settings: Settings, monkeypatch
 ):
     """The ordinary dead letter (a handler that failed every retry) is recorded in the
     transaction that marks the event dead in its inbox row (one per consumer and event,
@@ -185,14 +188,12 @@ def test_an_event_whose_handler_failed_every_retry_is_dead_lettered_once(
         runtime.close()
     client = redis.Redis.from_url(inbox_settings.require_redis_url())
     namespace, queue = inbox_settings.redis_namespace, "pipeline.payments"
-    worker = start_worker(
-        inbox_settings, APP, tmp_path / "worker.log", processes=1, threads=2, TEST_FAIL_RATE="1"
-    )
+    monkeypatch.setattr(f"{APP}.FAIL_RATE", 1.0)
     try:
-        wait_until(lambda: len(dead_letters(engine)) >= 1, timeout=60, alive=[worker])
-        wait_until(lambda: client.hlen(messages_key(namespace, queue)) == 0, alive=[worker])
+        with running_app_worker(inbox_settings, APP, threads=2):
+            wait_until(lambda: len(dead_letters(engine)) >= 1, timeout=60)
+            wait_until(lambda: client.hlen(messages_key(namespace, queue)) == 0)
     finally:
-        stop_process(worker)
         client.close()
     letters = dead_letters(engine)
     assert len(letters) == 1, letters
@@ -224,33 +225,32 @@ def test_the_worker_role_records_a_message_dead_letter_once(deployment: Deployme
 
 
 def test_an_unacked_id_a_live_worker_no_longer_holds_is_put_back(
-    engine, inbox_settings: Settings, tmp_path
+    engine, inbox_settings: Settings, monkeypatch
 ):
     """A message id in a live worker's un-acked set that no thread of it holds (left there
     by a settlement that failed for good, or by a pause past the heartbeat timeout while
     another worker's maintenance emptied the set): Dramatiq would leave it there for the
     life of the process and the delivery ledger would count it in flight. The worker puts
-    it back on the queue at its next periodic look, and the event is handled."""
+    it back on the queue at its next periodic look (every half second here, not every
+    ``ORPHAN_LOOK_SECONDS``), and the event is handled."""
+    monkeypatch.setattr(broker_module, "ORPHAN_LOOK_SECONDS", 0.5)
     settings = inbox_settings
     client = redis.Redis.from_url(settings.require_redis_url())
     namespace = settings.redis_namespace
-    log = tmp_path / "worker.log"
-    worker = start_worker(settings, APP, log, processes=1, threads=2)
     try:
-        wait_until(lambda: client.zcard(heartbeats_key(namespace)) == 1, alive=[worker])
-        [broker_id] = [_text(member) for member in client.zrange(heartbeats_key(namespace), 0, 0)]
-        redis_id = str(uuid.uuid4())
-        envelope = json.loads(encode_envelope(made_up_event("orphan", {}), event_source(settings)))
-        message = inbox_message(([envelope],)).copy(options={"redis_message_id": redis_id})
-        client.hset(messages_key(namespace, QUEUE), redis_id, message.encode())
-        client.sadd(acks_key(namespace, broker_id, QUEUE), redis_id)  # taken, held by nobody
-        wait_until(
-            lambda: scalar(engine, "SELECT count(*) FROM effects") == 1,
-            timeout=60,
-            alive=[worker],
-        )
-        wait_until(lambda: client.scard(acks_key(namespace, broker_id, QUEUE)) == 0)
+        with process_log() as log, running_app_worker(settings, APP, threads=2):
+            wait_until(lambda: client.zcard(heartbeats_key(namespace)) == 1)
+            [broker_id] = [
+                _text(member) for member in client.zrange(heartbeats_key(namespace), 0, 0)
+            ]
+            redis_id = str(uuid.uuid4())
+            event = made_up_event("orphan", {})
+            envelope = json.loads(encode_envelope(event, event_source(settings)))
+            message = inbox_message(([envelope],)).copy(options={"redis_message_id": redis_id})
+            client.hset(messages_key(namespace, QUEUE), redis_id, message.encode())
+            client.sadd(acks_key(namespace, broker_id, QUEUE), redis_id)  # held by nobody
+            wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1)
+            wait_until(lambda: client.scard(acks_key(namespace, broker_id, QUEUE)) == 0)
     finally:
-        stop_process(worker)
         client.close()
-    assert "requeued un-acked messages this consumer no longer held" in log.read_text()
+    assert "requeued un-acked messages this consumer no longer held" in log.getvalue()

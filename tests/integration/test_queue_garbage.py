@@ -1,9 +1,12 @@
-"""A bare value pushed on a consumer queue is dead-lettered by a real worker, not swallowed.
+"""A bare value pushed on a consumer queue is dead-lettered by the worker, not swallowed.
 
 Dramatiq's fetch moves whatever it pops to the worker's un-acked set and looks up a body
 for it; a value that no Dramatiq client enqueued has none. The worker must keep it (a
 consume-stage dead letter with the raw value), say so in one log line, and clear it from
 the un-acked set, where it would otherwise sit until the worker dies and then come back.
+
+Dramatiq's worker runs in this process, its log formatted as a worker process writes it;
+one test runs a worker process, for the log a real process writes at DEBUG.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ from pipeline.inbox.processor import record_unreadable
 from pipeline.transport.factory import open_transport
 from pipeline.transport.redis.keys import acks_key, messages_key, queue_key, wake_key
 from tests.integration.test_inbox import inbox_settings, publish_repeated, scalar
-from tests.support import multiprocess_metric, produce, start_worker, stop_process, wait_until
+from tests.support import (
+    process_log,
+    process_metric,
+    produce,
+    running_app_worker,
+    start_worker,
+    stop_process,
+    wait_until,
+)
 
 __all__ = ["inbox_settings"]  # the fixture, re-used from the inbox tests
 
@@ -35,25 +46,26 @@ def acks_sets(client: redis.Redis, namespace: str, queue: str) -> dict[bytes, se
 
 
 def test_a_bare_value_on_a_queue_is_dead_lettered_with_its_raw_value(
-    engine, inbox_settings: Settings, tmp_path
+    engine, inbox_settings: Settings
 ):
     client = redis.Redis.from_url(inbox_settings.require_redis_url())
     namespace, queue = inbox_settings.redis_namespace, "pipeline.ledger"
     client.lpush(queue_key(namespace, queue), "garbage")
-    log = tmp_path / "worker.log"
-    worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
     try:
-        wait_until(
-            lambda: scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 1, timeout=30
-        )
-        # The worker still processes real events afterwards.
-        produce(engine, [NewEvent("entry.booked", {"order_id": "after-garbage"})])
-        publish_repeated(inbox_settings, times=1)
-        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, timeout=30)
-        wait_until(lambda: not any(acks_sets(client, namespace, queue).values()), timeout=10)
-        assert worker.poll() is None
+        with process_log() as log, running_app_worker(inbox_settings, APP, threads=2) as worker:
+            wait_until(
+                lambda: scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 1,
+                timeout=30,
+            )
+            # The worker still processes real events afterwards.
+            produce(engine, [NewEvent("entry.booked", {"order_id": "after-garbage"})])
+            publish_repeated(inbox_settings, times=1)
+            wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, timeout=30)
+            wait_until(lambda: not any(acks_sets(client, namespace, queue).values()), timeout=10)
+            assert all(
+                thread.is_alive() for thread in [*worker.consumers.values(), *worker.workers]
+            )
     finally:
-        stop_process(worker)
         client.close()
     row = scalar(
         engine,
@@ -63,8 +75,8 @@ def test_a_bare_value_on_a_queue_is_dead_lettered_with_its_raw_value(
     assert row["stage"] == "consume" and row["queue"] == queue
     assert row["raw"] == "garbage"
     assert "not a Dramatiq message" in row["reason"]
-    lines = [line for line in log.read_text().splitlines() if "not a Dramatiq message" in line]
-    assert len(lines) == 1, log.read_text()[-3000:]
+    lines = [line for line in log.getvalue().splitlines() if "not a Dramatiq message" in line]
+    assert len(lines) == 1, log.getvalue()[-3000:]
     assert "garbage" not in lines[0]  # the value is kept in Postgres, never logged
 
 
@@ -94,7 +106,7 @@ def dead_letters(engine) -> list[dict]:
 
 
 def test_unacknowledgeable_and_nul_messages_are_dead_lettered_once_and_removed(
-    engine, inbox_settings: Settings, tmp_path
+    engine, inbox_settings: Settings
 ):
     """No ``redis_message_id`` (Dramatiq could not acknowledge it), arguments of the wrong
     shape, NUL bytes in a bare value and in an unparseable body: each recorded once,
@@ -122,18 +134,14 @@ def test_unacknowledgeable_and_nul_messages_are_dead_lettered_once_and_removed(
     hand_written(client, namespace, queue, b"not json \x00 with a NUL")
     client.lpush(queue_key(namespace, queue), b"bare\x00value")
     try:
-        for run in range(2):  # the second worker finds nothing left to dead-letter
-            log = tmp_path / f"worker-{run}.log"
-            worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
-            try:
-                wait_until(lambda: len(dead_letters(engine)) >= 5, timeout=30, alive=[worker])
+        for _run in range(2):  # the second worker finds nothing left to dead-letter
+            with process_log() as log, running_app_worker(inbox_settings, APP, threads=2):
+                wait_until(lambda: len(dead_letters(engine)) >= 5, timeout=30)
                 wait_until(lambda: not any(acks_sets(client, namespace, queue).values()))
                 assert client.hlen(messages_key(namespace, queue)) == 0
                 assert client.llen(queue_key(namespace, queue)) == 0
-            finally:
-                stop_process(worker)
-            assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
-            assert "no-redis-id" not in log.read_text()
+            assert "Traceback" not in log.getvalue(), log.getvalue()[-3000:]
+            assert "no-redis-id" not in log.getvalue()
     finally:
         client.close()
     letters = dead_letters(engine)
@@ -158,10 +166,10 @@ UNFIT_ARGUMENTS = {  # what the inbox actor is called with: (its args, its kwarg
 
 
 def test_arguments_a_consumer_cannot_take_are_dead_lettered_at_once(
-    engine, inbox_settings: Settings, tmp_path
+    engine, inbox_settings: Settings
 ):
-    """Each kind of unfit arguments (one message each, through one real worker) is one
-    dead letter at once, never retried; the worker goes on working."""
+    """Each kind of unfit arguments (one message each, through one worker) is one dead
+    letter at once, never retried; the worker goes on working."""
     transport = open_transport(inbox_settings, middleware=[])
     try:
         for args, kwargs in UNFIT_ARGUMENTS.values():
@@ -176,20 +184,14 @@ def test_arguments_a_consumer_cannot_take_are_dead_lettered_at_once(
             )
     finally:
         transport.close()
-    metrics_dir = tmp_path / "metrics"
-    metrics_dir.mkdir()
-    log = tmp_path / "worker.log"
-    worker = start_worker(
-        inbox_settings, APP, log, processes=1, threads=2, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)
-    )
-    try:
+    retries = "pipeline_inbox_infrastructure_retries_total"
+    retried_before = process_metric(retries)
+    with process_log() as log, running_app_worker(inbox_settings, APP, threads=2):
         wanted = len(UNFIT_ARGUMENTS)
-        wait_until(lambda: len(dead_letters(engine)) >= wanted, timeout=30, alive=[worker])
+        wait_until(lambda: len(dead_letters(engine)) >= wanted, timeout=30)
         produce(engine, [NewEvent("entry.booked", {"order_id": "after"})])
         publish_repeated(inbox_settings, times=1)  # the worker still works afterwards
-        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, alive=[worker])
-    finally:
-        stop_process(worker)
+        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1)
     letters = dead_letters(engine)
     envelopes = [letter["envelope"] for letter in letters]
     expected = [{"args": args, "kwargs": kwargs} for args, kwargs in UNFIT_ARGUMENTS.values()]
@@ -197,13 +199,13 @@ def test_arguments_a_consumer_cannot_take_are_dead_lettered_at_once(
     for letter in letters:
         assert "message arguments do not fit consumer 'ledger'" in letter["reason"]
         assert "non-retryable" in letter["reason"]
-    retried = multiprocess_metric(metrics_dir, "pipeline_inbox_infrastructure_retries_total")
-    assert retried == 0
-    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+    assert process_metric(retries) == retried_before
+    assert "Traceback" not in log.getvalue(), log.getvalue()[-3000:]
 
 
 def test_no_payload_reaches_the_logs_at_debug(engine, inbox_settings: Settings, tmp_path):
-    """Dramatiq's own DEBUG lines ("Received args=...") included, through a real worker."""
+    """Dramatiq's own DEBUG lines ("Received args=...") included, through a real worker
+    process: the logging a ``pipeline worker`` configures for itself is what is checked."""
     marker = "payload-marker-5c1d"
     produce(engine, [NewEvent("entry.booked", {"order_id": marker})])
     publish_repeated(inbox_settings, times=1)
@@ -231,7 +233,7 @@ def requeue_as_maintenance_does(client: redis.Redis, namespace: str, queue: str)
 
 @pytest.mark.parametrize("names", ["another-redis-id", "another-queue"])
 def test_a_message_naming_another_id_or_queue_is_dead_lettered_once(
-    engine, inbox_settings: Settings, tmp_path, names
+    engine, inbox_settings: Settings, names
 ):
     """A hand-written message whose ``redis_message_id`` option names another id than the
     one it is stored under, or whose ``queue_name`` names another queue the worker consumes
@@ -256,20 +258,15 @@ def test_a_message_naming_another_id_or_queue_is_dead_lettered_once(
     client.lpush(wake_key(namespace, queue), "1")
     try:
         for run in range(2):  # the second worker gets whatever the first left behind
-            log = tmp_path / f"worker-{run}.log"
-            worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
-            try:
-                wait_until(lambda: len(dead_letters(engine)) >= 1, timeout=30, alive=[worker])
+            with process_log() as log, running_app_worker(inbox_settings, APP, threads=2):
+                wait_until(lambda: len(dead_letters(engine)) >= 1, timeout=30)
                 produce(engine, [NewEvent("entry.booked", {"order_id": f"after-{run}"})])
                 publish_repeated(inbox_settings, times=1)  # behind anything requeued
                 wait_until(
-                    lambda run=run: scalar(engine, "SELECT count(*) FROM effects") == run + 1,
-                    alive=[worker],
+                    lambda run=run: scalar(engine, "SELECT count(*) FROM effects") == run + 1
                 )
-                wait_until(lambda: client.llen(queue_key(namespace, queue)) == 0, alive=[worker])
-            finally:
-                stop_process(worker)
-            assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+                wait_until(lambda: client.llen(queue_key(namespace, queue)) == 0)
+            assert "Traceback" not in log.getvalue(), log.getvalue()[-3000:]
             requeue_as_maintenance_does(client, namespace, queue)
         letters = dead_letters(engine)
         assert len(letters) == 1, letters
@@ -282,7 +279,7 @@ def test_a_message_naming_another_id_or_queue_is_dead_lettered_once(
 
 
 def test_a_raw_message_recorded_before_a_crash_is_not_recorded_again(
-    engine, inbox_settings: Settings, tmp_path
+    engine, inbox_settings: Settings
 ):
     """A worker that dies between recording a raw message and removing it from Redis
     leaves both: the row, and the message (which comes back). The next worker removes
@@ -293,19 +290,17 @@ def test_a_raw_message_recorded_before_a_crash_is_not_recorded_again(
     hand_written(client, namespace, queue, raw)
     # What the dead worker did before it could acknowledge the message:
     record_unreadable(inbox_settings, engine, queue, "undecodable message: before", raw=raw)
-    log = tmp_path / "worker.log"
-    worker = start_worker(inbox_settings, APP, log, processes=1, threads=2)
     try:
-        produce(engine, [NewEvent("entry.booked", {"order_id": "after"})])
-        publish_repeated(inbox_settings, times=1)  # queued behind the raw message
-        wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, alive=[worker])
-        wait_until(lambda: client.hlen(messages_key(namespace, queue)) == 0, alive=[worker])
+        with process_log() as log, running_app_worker(inbox_settings, APP, threads=2):
+            produce(engine, [NewEvent("entry.booked", {"order_id": "after"})])
+            publish_repeated(inbox_settings, times=1)  # queued behind the raw message
+            wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1)
+            wait_until(lambda: client.hlen(messages_key(namespace, queue)) == 0)
     finally:
-        stop_process(worker)
         client.close()
     letters = dead_letters(engine)
     assert [letter["reason"] for letter in letters] == ["undecodable message: before"]
-    assert "dead-lettered already" in log.read_text(), log.read_text()[-3000:]
+    assert "dead-lettered already" in log.getvalue(), log.getvalue()[-3000:]
 
 
 def test_raw_messages_are_recorded_once_per_queue_and_bytes(engine, inbox_settings: Settings):
