@@ -4,6 +4,9 @@ With ``PIPELINE_MESSAGE_KEY`` set, the relay signs each envelope for its consume
 workers verify it. Whoever can write to Redis but lacks the key cannot make a handler run:
 a made-up event, an altered payload, an envelope signed for another deployment or with
 another key are dead-lettered as unauthentic, counted, and attributed to no event.
+
+The refusals run through Dramatiq's worker in this process; the keys reaching a worker
+process through its environment, and what the command says at start-up, through real ones.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ from pipeline.signing import EnvelopeSigner, MessageKeys, event_source
 from pipeline.transport.factory import open_transport
 from tests.integration.test_inbox import inbox_settings, publish_repeated, scalar
 from tests.support import (
-    multiprocess_metric,
+    process_metric,
     produce,
     queue_envelopes,
+    running_app_worker,
     start_worker,
     stop_process,
     wait_until,
@@ -81,7 +85,7 @@ def made_up_event(order_id: str, data: dict[str, Any] | None = None) -> OutboxEv
 
 
 def test_only_authentic_messages_run_and_the_others_are_dead_lettered_and_counted(
-    engine, keyed: Settings, tmp_path
+    engine, keyed: Settings
 ):
     produce(engine, [NewEvent("entry.booked", {"order_id": "genuine"}, aggregate_id="genuine")])
     publish_repeated(keyed, times=1)  # the relay's own publisher: signed for the ledger
@@ -101,22 +105,21 @@ def test_only_authentic_messages_run_and_the_others_are_dead_lettered_and_counte
     for envelope in (*envelopes, unstorable, surrogate):
         enqueue(keyed, [envelope])
 
-    metrics_dir = tmp_path / "metrics"
-    metrics_dir.mkdir()
-    log = tmp_path / "worker.log"
-    worker = start_worker(keyed, APP, log, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
-    try:
+    def refused(reason: str) -> float:
+        return process_metric(
+            "pipeline_unauthentic_messages_total", consumer=CONSUMER, reason=reason
+        )
+
+    refused_before = {reason: refused(reason) for reason in ("mismatch", "unsigned")}
+    with running_app_worker(keyed, APP):
         wait_until(
             lambda: (
                 scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") >= 5
                 and scalar(engine, "SELECT count(*) FROM effects") >= 1
             ),
             timeout=60,
-            alive=[worker],
         )
         wait_until(lambda: not queue_envelopes(keyed, QUEUE), timeout=30)
-    finally:
-        stop_process(worker)
 
     effects = scalar(engine, "SELECT json_agg(order_id) FROM effects")
     assert effects == ["genuine"]  # the genuine event ran; none of the others did
@@ -144,27 +147,26 @@ def test_only_authentic_messages_run_and_the_others_are_dead_lettered_and_counte
     # The genuine event is processed, not dead, for all the altered copy claimed its id.
     assert scalar(engine, "SELECT count(*) FROM pipeline.inbox WHERE status = 'processed'") == 1
 
-    def refused(reason: str) -> float:
-        return multiprocess_metric(
-            metrics_dir, "pipeline_unauthentic_messages_total", consumer=CONSUMER, reason=reason
-        )
-
-    assert refused("mismatch") == 6
-    assert refused("unsigned") == 1
-    assert "PIPELINE_MESSAGE_KEY is not set" not in log.read_text()
+    assert refused("mismatch") - refused_before["mismatch"] == 6
+    assert refused("unsigned") - refused_before["unsigned"] == 1
 
 
 def test_keys_rotate_the_previous_key_still_verifies(engine, keyed: Settings, tmp_path):
-    """Relay signing with the old key while workers already have the new one as current."""
+    """Relay signing with the old key while workers already have the new one as current.
+
+    A worker process, given both keys in its environment as an operator does; a worker
+    with a key says nothing about a missing one."""
     produce(engine, [NewEvent("entry.booked", {"order_id": "rotated"})])
     publish_repeated(keyed, times=1)  # signed with KEY
     rotated = keyed.replace(message_key=OTHER_KEY, message_key_previous=KEY)
-    worker = start_worker(rotated, APP, tmp_path / "worker.log")
+    log = tmp_path / "worker.log"
+    worker = start_worker(rotated, APP, log)
     try:
         wait_until(lambda: scalar(engine, "SELECT count(*) FROM effects") == 1, alive=[worker])
     finally:
         stop_process(worker)
     assert scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 0
+    assert "PIPELINE_MESSAGE_KEY is not set" not in log.read_text()
 
 
 def test_without_a_key_messages_run_unsigned_and_the_worker_says_so(

@@ -1,4 +1,4 @@
-"""Message ids fetched without a body are counted, not dead-lettered, by real workers.
+"""Message ids fetched without a body are counted, not dead-lettered, by the workers.
 
 A leftover id of a message already acknowledged (Dramatiq's maintenance requeued a slow
 consumer's un-acked ids, or a replay pushed it again) is an absorbed duplicate: counted
@@ -6,6 +6,10 @@ and dropped. An id whose body Redis removed before any consumer ran it (eviction
 ``allkeys-lru``) is a lost delivery: counted, dropped, and sent again by the relay's
 delivery ledger. Neither is a dead letter; a foreign value still is
 (tests/integration/test_queue_garbage.py).
+
+Dramatiq's worker and the relay run in this process, but for the end-to-end check against
+a Redis that really evicts: a worker process and a relay process, counting through
+``PROMETHEUS_MULTIPROC_DIR`` as deployed.
 """
 
 from __future__ import annotations
@@ -15,12 +19,18 @@ from collections import Counter
 import redis
 
 from pipeline import NewEvent, Settings
+from pipeline.runtime import build_runtime
 from pipeline.transport.redis.keys import messages_key, queue_key
 from tests.integration.test_inbox import inbox_settings, publish_repeated, scalar, stage_counts
 from tests.support import (
+    app_registry,
     log_size,
     multiprocess_metric,
+    process_metric,
     produce,
+    running_app_worker,
+    running_relay,
+    running_worker,
     start_relay,
     start_worker,
     stop_process,
@@ -37,8 +47,23 @@ def book(engine, orders: list[str]) -> None:
     produce(engine, [NewEvent("entry.booked", {"order_id": o}, aggregate_id=o) for o in orders])
 
 
+class Counted:
+    """This process's counters since this was made (they add up over a run's tests)."""
+
+    def __init__(self, **metrics: tuple[str, dict[str, str]]) -> None:
+        self.metrics = metrics
+        self.before = {key: self.total(key) for key in metrics}
+
+    def total(self, key: str) -> float:
+        name, labels = self.metrics[key]
+        return process_metric(name, **labels)
+
+    def __call__(self, key: str) -> float:
+        return self.total(key) - self.before[key]
+
+
 def test_leftover_ids_of_processed_messages_are_counted_as_duplicates_and_dropped(
-    engine, inbox_settings: Settings, tmp_path
+    engine, inbox_settings: Settings
 ):
     orders = [f"dup-{i}" for i in range(60)]
     book(engine, orders)
@@ -46,38 +71,32 @@ def test_leftover_ids_of_processed_messages_are_counted_as_duplicates_and_droppe
     client = redis.Redis.from_url(inbox_settings.require_redis_url())
     ids = client.lrange(queue_key(inbox_settings.redis_namespace, QUEUE), 0, -1)
     assert len(ids) == len(orders)
-    metrics_dir = tmp_path / "metrics"
-    metrics_dir.mkdir()
-    log = tmp_path / "worker.log"
-    worker = start_worker(inbox_settings, APP, log, 2, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    counted = Counted(
+        dropped=("pipeline_inbox_duplicates_dropped_total", {"queue": QUEUE}),
+        lost=("pipeline_deliveries_lost_total", {"queue": QUEUE}),
+        dead=("pipeline_dead_letters_total", {}),
+    )
     try:
-        wait_until(
-            lambda: len(stage_counts(engine, "ledger")) == len(orders),
-            timeout=60,
-            progress=lambda: log_size(log),
-            alive=[worker],
-        )
-        # The storm: every id again (twice), after its message was processed and acked.
-        client.rpush(queue_key(inbox_settings.redis_namespace, QUEUE), *ids, *ids)
-
-        def dropped() -> float:
-            return multiprocess_metric(
-                metrics_dir, "pipeline_inbox_duplicates_dropped_total", queue=QUEUE
+        with running_app_worker(inbox_settings, APP, threads=4):
+            wait_until(
+                lambda: len(stage_counts(engine, "ledger")) == len(orders),
+                timeout=60,
+                progress=lambda: len(stage_counts(engine, "ledger")),
             )
-
-        wait_until(lambda: dropped() >= 2 * len(orders), timeout=60, alive=[worker])
+            # The storm: every id again (twice), after its message was processed and acked.
+            client.rpush(queue_key(inbox_settings.redis_namespace, QUEUE), *ids, *ids)
+            wait_until(lambda: counted("dropped") >= 2 * len(orders), timeout=60)
     finally:
-        stop_process(worker)
         client.close()
-    assert dropped() == 2 * len(orders)
-    assert multiprocess_metric(metrics_dir, "pipeline_deliveries_lost_total", queue=QUEUE) == 0
+    assert counted("dropped") == 2 * len(orders)
+    assert counted("lost") == 0
     assert scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 0
     assert stage_counts(engine, "ledger") == Counter({o: 1 for o in orders})
-    assert multiprocess_metric(metrics_dir, "pipeline_dead_letters_total") == 0
+    assert counted("dead") == 0
 
 
 def test_ids_whose_bodies_were_evicted_are_lost_deliveries_the_ledger_sends_again(
-    engine, inbox_settings: Settings, tmp_path
+    engine, inbox_settings: Settings
 ):
     settings = inbox_settings.replace(
         canary_interval=0, redelivery_horizon_seconds=3.0, reconcile_interval_seconds=0.5
@@ -91,37 +110,26 @@ def test_ids_whose_bodies_were_evicted_are_lost_deliveries_the_ledger_sends_agai
     assert len(ids) == len(orders)
     # What an allkeys-lru eviction of the bodies leaves: ids on the queue, no bodies.
     assert client.delete(messages_key(namespace, QUEUE)) == 1
-    metrics_dir = tmp_path / "metrics"
-    metrics_dir.mkdir()
-    worker_log, relay_log = tmp_path / "worker.log", tmp_path / "relay.log"
-    worker = start_worker(
-        settings, APP, worker_log, 1, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir)
+    counted = Counted(
+        dropped=("pipeline_inbox_duplicates_dropped_total", {"queue": QUEUE}),
+        lost=("pipeline_deliveries_lost_total", {"queue": QUEUE}),
     )
-    relay = None
+    runtime = build_runtime(settings, app_registry(APP), set_global_broker=False)
     try:
-
-        def lost() -> float:
-            return multiprocess_metric(metrics_dir, "pipeline_deliveries_lost_total", queue=QUEUE)
-
-        wait_until(lambda: lost() >= len(orders), timeout=60, alive=[worker])
-        assert len(stage_counts(engine, "ledger")) == 0  # nothing ran: the bodies were gone
-        relay = start_relay(settings, APP, relay_log, "--metrics-port", "0")
-        wait_until(
-            lambda: len(stage_counts(engine, "ledger")) == len(orders),
-            timeout=60,
-            progress=lambda: log_size(worker_log, relay_log),
-            alive=[worker, relay],
-        )
+        with running_worker(runtime, threads=2):
+            wait_until(lambda: counted("lost") >= len(orders), timeout=60)
+            assert len(stage_counts(engine, "ledger")) == 0  # nothing ran: the bodies were gone
+            with running_relay(runtime, runtime.registry):
+                wait_until(
+                    lambda: len(stage_counts(engine, "ledger")) == len(orders),
+                    timeout=60,
+                    progress=lambda: len(stage_counts(engine, "ledger")),
+                )
     finally:
-        if relay is not None:
-            stop_process(relay)
-        stop_process(worker)
+        runtime.close()
         client.close()
-    assert lost() == len(orders)
-    assert (
-        multiprocess_metric(metrics_dir, "pipeline_inbox_duplicates_dropped_total", queue=QUEUE)
-        == 0
-    )
+    assert counted("lost") == len(orders)
+    assert counted("dropped") == 0
     assert scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 0
     assert stage_counts(engine, "ledger") == Counter({o: 1 for o in orders})  # none lost
     assert scalar(
