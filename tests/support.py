@@ -495,6 +495,22 @@ def process_metric(name: str, **labels: str) -> float:
     )
 
 
+class Counted:
+    """This process's counters (:func:`process_metric`) since this was made: ``metrics``
+    names each one's (name, labels); calling it with a name gives the difference."""
+
+    def __init__(self, **metrics: tuple[str, dict[str, str]]) -> None:
+        self.metrics = metrics
+        self.before = {key: self._total(key) for key in metrics}
+
+    def _total(self, key: str) -> float:
+        name, labels = self.metrics[key]
+        return process_metric(name, **labels)
+
+    def __call__(self, key: str) -> float:
+        return self._total(key) - self.before[key]
+
+
 @contextmanager
 def process_log(level: int = logging.INFO) -> Iterator[io.StringIO]:
     """What this process logs meanwhile, formatted as a ``pipeline`` command writes it

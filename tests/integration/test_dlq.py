@@ -2,11 +2,10 @@
 
 Dead letters are made the way production makes them: a relay and a Dramatiq worker run
 against real Postgres and Redis, and a handler fails permanently until the test "deploys
-a fix" (tests/apps/dlq_app.py). They run in this process where the process is not the
-subject; the replays whose counts are read from multiprocess metrics run ``pipeline relay``
-and ``pipeline worker`` as real processes. Commands run through the real CLI in this
-process (click's ``CliRunner``: the same group, the same exit codes and one-line errors);
-a few run as ``python -m pipeline.tools.cli`` subprocesses, end to end.
+a fix" (tests/apps/dlq_app.py). They run in this process (counts read from its metrics
+registry as differences): no test here is about a process. Commands run through the real
+CLI in this process (click's ``CliRunner``: the same group, the same exit codes and
+one-line errors); a few run as ``python -m pipeline.tools.cli`` subprocesses, end to end.
 """
 
 from __future__ import annotations
@@ -32,18 +31,15 @@ from pipeline.tools.harness.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
 from tests.support import (
     QUICK_FAULTS,
+    Counted,
     Ran,
     installed_settings,
-    multiprocess_metric,
     pipeline_env,
     produce,
     queue_messages,
     run_cli,
     run_cli_process,
     running_pipeline,
-    start_relay,
-    start_worker,
-    stop_process,
     wait_until,
 )
 
@@ -165,9 +161,7 @@ def orders_with_poison(engine, settings: Settings) -> dict[str, uuid.UUID]:
     return ids
 
 
-def test_dry_run_changes_nothing_then_replay_reaches_only_that_consumer(
-    engine, dlq_settings, tmp_path
-):
+def test_dry_run_changes_nothing_then_replay_reaches_only_that_consumer(engine, dlq_settings):
     ids = orders_with_poison(engine, dlq_settings)
     listed = dlq_json(dlq_settings, "list", "--consumer", "payments")
     assert sorted(d["event_id"] for d in listed) == sorted(str(ids[o]) for o in ("o1", "o2", "o4"))
@@ -219,27 +213,23 @@ def test_dry_run_changes_nothing_then_replay_reaches_only_that_consumer(
     )
     assert sorted(marked) == sorted((dead[str(e)], 1) for e in scoped)
 
-    metrics = tmp_path / "metrics"
-    metrics.mkdir()
-    relay = start_relay(dlq_settings, APP, tmp_path / "relay2.log")
-    worker = start_worker(
-        dlq_settings, APP, tmp_path / "worker2.log", 1, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics)
+    counted = Counted(
+        processed=("pipeline_inbox_processed_total", {"consumer": "payments"}),
+        audited=("pipeline_inbox_processed_total", {"consumer": "audit"}),
+        audit_duplicates=("pipeline_inbox_duplicates_total", {"consumer": "audit"}),
     )
-    try:
+    with running_pipeline(dlq_settings, APP, threads=2):
         wait_until(
             lambda: effects(engine, "shipping")["o1"] == effects(engine, "shipping")["o2"] == 1,
             timeout=60,
         )
-    finally:
-        stop_process(worker)
-        stop_process(relay)
     # the replayed handler ran once per event; the other consumer never saw them again
     assert effects(engine, "payments") == Counter({o: 1 for o in ("o0", "o1", "o2", "o3", "o5")})
     assert effects(engine, "audit") == Counter({f"o{i}": 1 for i in range(6)})
     assert effects(engine, "shipping") == Counter({o: 1 for o in ("o0", "o1", "o2", "o3", "o5")})
-    assert multiprocess_metric(metrics, "pipeline_inbox_processed_total", consumer="payments") == 2
-    assert multiprocess_metric(metrics, "pipeline_inbox_processed_total", consumer="audit") == 0
-    assert multiprocess_metric(metrics, "pipeline_inbox_duplicates_total", consumer="audit") == 0
+    assert counted("processed") == 2
+    assert counted("audited") == 0
+    assert counted("audit_duplicates") == 0
     assert rows(
         engine,
         "SELECT status, attempts FROM pipeline.inbox WHERE consumer = 'payments' AND event_id = :e",
@@ -315,9 +305,7 @@ class FailFor:
         pass
 
 
-def test_publish_stage_replay_is_published_consumed_and_deduplicated(
-    engine, dlq_settings, tmp_path
-):
+def test_publish_stage_replay_is_published_consumed_and_deduplicated(engine, dlq_settings):
     set_broken(engine, False)
     routes = Registry()
     routes.subscribe("payments", ["order.placed"])
@@ -371,24 +359,10 @@ def test_publish_stage_replay_is_published_consumed_and_deduplicated(
         (ids["p1"], "pending", 0),
         (ids["p2"], "dead", 1),
     ]
-    metrics = tmp_path / "metrics"
-    metrics.mkdir()
-    relay = start_relay(dlq_settings, APP, tmp_path / "relay.log")
-    worker = start_worker(
-        dlq_settings, APP, tmp_path / "worker2.log", 1, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics)
-    )
-    try:
+    counted = Counted(duplicates=("pipeline_inbox_duplicates_total", {"consumer": "audit"}))
+    with running_pipeline(dlq_settings, APP, threads=2):
         wait_until(lambda: sum(effects(engine, "payments").values()) == 2, timeout=60)
-        wait_until(
-            lambda: (
-                multiprocess_metric(metrics, "pipeline_inbox_duplicates_total", consumer="audit")
-                == 2
-            ),
-            timeout=60,
-        )
-    finally:
-        stop_process(worker)
-        stop_process(relay)
+        wait_until(lambda: counted("duplicates") == 2, timeout=60)
     assert effects(engine, "payments") == Counter({"p0": 1, "p1": 1})
     assert effects(engine, "audit") == Counter({"p0": 1, "p1": 1, "p2": 1})  # copies dropped
     statuses = rows(
@@ -728,7 +702,7 @@ def orders_of_two_causes(engine, settings: Settings) -> dict[str, list[uuid.UUID
     return causes
 
 
-def test_groups_replay_exactly_one_cause_in_order_audited(engine, dlq_settings, tmp_path):
+def test_groups_replay_exactly_one_cause_in_order_audited(engine, dlq_settings):
     causes = orders_of_two_causes(engine, dlq_settings)
     groups = dlq_json(dlq_settings, "groups")
     assert [(g["error_class"], g["count"], g["waiting"]) for g in groups] == [
@@ -795,25 +769,15 @@ def test_groups_replay_exactly_one_cause_in_order_audited(engine, dlq_settings, 
     after = {g["error_class"]: (g["count"], g["waiting"]) for g in dlq_json(dlq_settings, "groups")}
     assert after == {"Poison": (110, 0), "CardDeclined": (90, 90)}
 
-    # a relay and a worker as real processes take the replayed deliveries
-    metrics = tmp_path / "metrics"
-    metrics.mkdir()
-    relay = start_relay(dlq_settings, APP, tmp_path / "relay.log")
-    worker = start_worker(
-        dlq_settings, APP, tmp_path / "worker.log", 1, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics)
-    )
-    try:
+    # a relay and a worker take the replayed deliveries
+    counted = Counted(processed=("pipeline_inbox_processed_total", {"consumer": "payments"}))
+    with running_pipeline(dlq_settings, APP, threads=2):
         wait_until(
             lambda: sum(effects(engine, "shipping").values()) == 110,
             timeout=120,
             progress=lambda: sum(effects(engine, "shipping").values()),
-            alive=(relay, worker),
         )
-    finally:
-        stop_process(worker)
-        stop_process(relay)
-    processed = multiprocess_metric(metrics, "pipeline_inbox_processed_total", consumer="payments")
-    assert processed == 110
+    assert counted("processed") == 110
     statuses = dict(
         rows(
             engine,

@@ -23,10 +23,10 @@ from pipeline.runtime import build_runtime
 from pipeline.transport.redis.keys import messages_key, queue_key
 from tests.integration.test_inbox import inbox_settings, publish_repeated, scalar, stage_counts
 from tests.support import (
+    Counted,
     app_registry,
     log_size,
     multiprocess_metric,
-    process_metric,
     produce,
     running_app_worker,
     running_relay,
@@ -45,21 +45,6 @@ QUEUE = "pipeline.ledger"
 
 def book(engine, orders: list[str]) -> None:
     produce(engine, [NewEvent("entry.booked", {"order_id": o}, aggregate_id=o) for o in orders])
-
-
-class Counted:
-    """This process's counters since this was made (they add up over a run's tests)."""
-
-    def __init__(self, **metrics: tuple[str, dict[str, str]]) -> None:
-        self.metrics = metrics
-        self.before = {key: self.total(key) for key in metrics}
-
-    def total(self, key: str) -> float:
-        name, labels = self.metrics[key]
-        return process_metric(name, **labels)
-
-    def __call__(self, key: str) -> float:
-        return self.total(key) - self.before[key]
 
 
 def test_leftover_ids_of_processed_messages_are_counted_as_duplicates_and_dropped(
