@@ -1,6 +1,10 @@
 """`pipeline doctor` against real servers: a healthy deployment, and each misconfiguration
 seeded on purpose (Redis eviction policy, short inbox retention, a missing index, a LISTEN
-URL behind a transaction-pooling PgBouncer, dead letters, clock skew)."""
+URL behind a transaction-pooling PgBouncer, dead letters, clock skew).
+
+The command runs in this process (click's ``CliRunner``: the same exit codes and output),
+the healthy deployment's relay and worker too; the healthy report is read once more from
+``pipeline doctor`` as a child process, end to end."""
 
 from __future__ import annotations
 
@@ -21,14 +25,7 @@ import redis
 from pipeline.config import Settings
 from pipeline.tools.harness.embedded import EmbeddedRedis
 from pipeline.tools.ops.doctor import Report, run_doctor
-from tests.support import (
-    cli_argv,
-    pipeline_env,
-    start_relay,
-    start_worker,
-    stop_process,
-    wait_until,
-)
+from tests.support import pipeline_env, run_cli, run_cli_process, running_pipeline, wait_until
 
 APP = "tests.apps.relay_app"
 
@@ -40,14 +37,8 @@ def doctor_settings(settings: Settings, private_redis: EmbeddedRedis) -> Setting
 
 
 def doctor_cli(settings: Settings, **env: str) -> tuple[int, dict[str, object], str]:
-    result = subprocess.run(
-        cli_argv("doctor", "--json"),
-        env=pipeline_env(settings, APP, **env),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    """``pipeline doctor --json`` in this process: exit code, report, what it logged."""
+    result = run_cli(["doctor", "--json"], pipeline_env(settings, APP, **env))
     assert "Traceback" not in result.stderr, result.stderr
     return result.returncode, json.loads(result.stdout), result.stderr
 
@@ -60,10 +51,8 @@ def problems(report: dict[str, object]) -> dict[str, list[dict[str, str]]]:
     return found
 
 
-def test_healthy_deployment_exits_zero(doctor_settings, tmp_path):
+def test_healthy_deployment_exits_zero(doctor_settings):
     settings = doctor_settings.replace(canary_interval=1.0)
-    relay = start_relay(settings, APP, tmp_path / "relay.log", "--mode", "inline")
-    worker = start_worker(settings, APP, tmp_path / "worker.log", processes=1, threads=2)
     url = settings.require_database_url()
 
     def canary_arrived() -> bool:
@@ -74,20 +63,10 @@ def test_healthy_deployment_exits_zero(doctor_settings, tmp_path):
             ).fetchone()
         return bool(row and row[0])
 
-    try:
+    with running_pipeline(settings, APP, threads=2, mode="inline"):
         wait_until(canary_arrived, timeout=90, interval=0.3)
         code, report, _ = doctor_cli(settings)
-        text = subprocess.run(
-            cli_argv("doctor"),
-            env=pipeline_env(settings, APP),
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-    finally:
-        stop_process(worker)
-        stop_process(relay)
+        text = run_cli_process(["doctor"], pipeline_env(settings, APP))
     assert problems(report) == {}
     assert code == 0 and report["healthy"] is True
     statuses = {f["check"]: f["status"] for f in report["findings"]}
