@@ -38,6 +38,7 @@ from tests.support import (
     pipeline_env,
     produce,
     run_cli,
+    running_app_worker,
     start_relay,
     start_worker,
     stop_process,
@@ -151,32 +152,33 @@ def test_clocks_off_within_a_second_deliver_every_event_once_in_key_order(
     settings: Settings, engine, tmp_path
 ):
     """One relay 0.8 s ahead, one 0.8 s behind, a worker on the true clock: an ordered
-    consumer handles every event of several keys once, in key order, and doctor is clean."""
+    consumer handles every event of several keys once, in key order, and doctor is clean.
+
+    The shifted clocks are the relays' (processes under libfaketime); the worker on the
+    true clock is Dramatiq's worker in this process."""
     keys, steps = 6, 30
     with installed_settings(settings, engine, TABLES, canary_interval=0) as quick:
         ahead = start_relay(quick, INBOX_APP, tmp_path / "ahead.log", **shifted("+0.8s"))
         behind = start_relay(quick, INBOX_APP, tmp_path / "behind.log", **shifted("-0.8s"))
-        worker = start_worker(
-            quick, INBOX_APP, tmp_path / "worker.log", 1, 4, PIPELINE_WORKER_METRICS_PORT="0"
-        )
-        processes = [ahead, behind, worker]
+        processes = [ahead, behind]
         try:
-            produce(
-                engine,
-                [
-                    NewEvent("seq.step", {"n": n}, ordering_key=f"key-{k}")
-                    for n in range(steps)
-                    for k in range(keys)
-                ],
-                per_transaction=keys,  # one step of every key per transaction
-            )
-            wait_until(
-                lambda: scalar(engine, "SELECT count(*) FROM seq_log") >= keys * steps,
-                timeout=60,
-                interval=0.2,
-                alive=processes,
-                progress=lambda: scalar(engine, "SELECT count(*) FROM seq_log"),
-            )
+            with running_app_worker(quick, INBOX_APP, threads=4):
+                produce(
+                    engine,
+                    [
+                        NewEvent("seq.step", {"n": n}, ordering_key=f"key-{k}")
+                        for n in range(steps)
+                        for k in range(keys)
+                    ],
+                    per_transaction=keys,  # one step of every key per transaction
+                )
+                wait_until(
+                    lambda: scalar(engine, "SELECT count(*) FROM seq_log") >= keys * steps,
+                    timeout=60,
+                    interval=0.2,
+                    alive=processes,
+                    progress=lambda: scalar(engine, "SELECT count(*) FROM seq_log"),
+                )
             relays = relay_offsets(engine, (ahead.pid, behind.pid), timeout=30, alive=processes)
             env = pipeline_env(quick, INBOX_APP)
             doctor = run_cli(["doctor", "--json"], env)
