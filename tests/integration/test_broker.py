@@ -337,3 +337,25 @@ def test_fetches_beat_once_an_interval_and_lend_their_maintenance_chances(broker
     sent = broker.enqueue(Message(QUEUE, "actor", (), {}, {}))
     (fetched,) = broker.fetch(QUEUE, 1)
     assert fetched[0] == sent.options[REDIS_MESSAGE_ID] and chances == [1, 50]
+
+
+def test_an_idle_workers_heartbeat_stays_younger_than_a_short_heartbeat_timeout(settings):
+    """The heartbeat rides on an idle consumer's fetch, stamped before its wait: with
+    waits as long as the heartbeat timeout (1 s each here) a live, idle worker would look
+    dead to Dramatiq's maintenance, which then requeues the messages it is running."""
+    broker = make_broker(settings.replace(broker_heartbeat_timeout_ms=1000))
+    broker.declare_queue(QUEUE)
+    worker = dramatiq.Worker(broker, worker_threads=1, worker_timeout=1000)
+    worker.start()
+    try:
+        key = heartbeats_key(broker.namespace)
+        wait_until(lambda: broker.client.zscore(key, broker.broker_id) is not None, timeout=10)
+        ages = []
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline:
+            ages.append(time.time() * 1000 - broker.client.zscore(key, broker.broker_id))
+            time.sleep(0.05)
+        assert max(ages) < 1000, f"heartbeat {max(ages):.0f} ms old"
+    finally:
+        worker.stop(timeout=10_000)
+        broker.close()

@@ -247,12 +247,13 @@ class WakeableRedisConsumer(_RedisConsumer):
     another worker's maintenance emptied meanwhile): the delivery ledger counts a live
     worker's un-acked messages in flight and would never send them again.
 
-    An idle wait lasts ``worker_timeout``, but never past the moment a delayed message
-    this consumer handed out comes due: Dramatiq's consumer thread holds such a message
-    (a retry waiting out its backoff) and enqueues it only between two of this
-    consumer's returns, so a long idle wait would delay retries by up to the wait.
-    Bounded by the due times, the wait can be long (cheap when idle) and a retry still
-    runs on time.
+    An idle wait lasts ``worker_timeout`` (at most a quarter of the heartbeat timeout: a
+    heartbeat that rides on the fetch is stamped before the wait), but never past the
+    moment a delayed message this consumer handed out comes due: Dramatiq's consumer
+    thread holds such a message (a retry waiting out its backoff) and enqueues it only
+    between two of this consumer's returns, so a long idle wait would delay retries by up
+    to the wait. Bounded by the due times, the wait can be long (cheap when idle) and a
+    retry still runs on time.
 
     ``message_cache`` holds (Redis id, body) pairs, and ``queued_message_ids`` the Redis
     ids of the messages handed to worker threads and not yet settled.
@@ -357,9 +358,11 @@ class WakeableRedisConsumer(_RedisConsumer):
             while due_times and due_times[0] <= now:
                 heapq.heappop(due_times)
             return 0
+        # A heartbeat riding on this fetch is stamped before the wait: keep it young.
+        longest = min(self.timeout, self.broker.heartbeat_timeout // 4)
         if not due_times:
-            return int(self.timeout)
-        return int(min(self.timeout, due_times[0] - now))
+            return int(longest)
+        return int(min(longest, due_times[0] - now))
 
     def ack(self, message: MessageProxy) -> None:
         self._finish("ack", message)
