@@ -247,7 +247,7 @@ class WakeableRedisConsumer(_RedisConsumer):
     another worker's maintenance emptied meanwhile): the delivery ledger counts a live
     worker's un-acked messages in flight and would never send them again.
 
-    An idle wait lasts ``worker_timeout`` (at most a quarter of the heartbeat timeout: a
+    An idle wait lasts ``worker_timeout`` (at most a tenth of the heartbeat timeout: a
     heartbeat that rides on the fetch is stamped before the wait), but never past the
     moment a delayed message this consumer handed out comes due: Dramatiq's consumer
     thread holds such a message (a retry waiting out its backoff) and enqueues it only
@@ -359,7 +359,7 @@ class WakeableRedisConsumer(_RedisConsumer):
                 heapq.heappop(due_times)
             return 0
         # A heartbeat riding on this fetch is stamped before the wait: keep it young.
-        longest = min(self.timeout, self.broker.heartbeat_timeout // 4)
+        longest = min(self.timeout, self.broker.heartbeat_timeout // 10)
         if not due_times:
             return int(longest)
         return int(min(longest, due_times[0] - now))
@@ -507,7 +507,7 @@ class PipelineRedisBroker(RedisBroker):
         self.take_bare_values = self.client.register_script(_TAKE_BARE_VALUES)
         self.fetch_with_ids = self.client.register_script(_FETCH_WITH_IDS)
         # The fetches' heartbeat: one dispatch call a process per interval (see _fetch).
-        self.heartbeat_every = min(HEARTBEAT_EVERY_SECONDS, self.heartbeat_timeout / 4000)
+        self.heartbeat_every = min(HEARTBEAT_EVERY_SECONDS, self.heartbeat_timeout / 10_000)
         self._last_fetch_heartbeat = float("-inf")
         self._fetches_since_heartbeat = 0
 
@@ -675,7 +675,7 @@ class PipelineRedisBroker(RedisBroker):
         """Whether this fetch carries the process's heartbeat (Dramatiq's dispatch call,
         which fetches nothing here). Every consumer thread fetches at least once per idle
         wait, and each call of the script costs Redis a script run and this process a
-        reply to parse, so one a process per ``heartbeat_every`` is enough: a quarter of
+        reply to parse, so one a process per ``heartbeat_every`` is enough: a tenth of
         the heartbeat timeout at most, and acknowledgements beat too. The fetches in
         between lend it their maintenance chances, so Dramatiq's maintenance (requeueing
         a dead worker's messages) runs as often as before.
