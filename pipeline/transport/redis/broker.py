@@ -94,9 +94,9 @@ def _log_missing_bodies(queue_name: str, duplicates: int, lost: int) -> None:
 
 
 ORPHAN_LOOK_SECONDS = 15.0
+"""How often a consumer looks for un-acked ids of its own that it no longer holds."""
 HEARTBEAT_EVERY_SECONDS = 1.0
 """How often a worker process's fetches refresh its heartbeat, at most."""
-"""How often a consumer looks for un-acked ids of its own that it no longer holds."""
 
 T = TypeVar("T")
 BLIP_SECONDS = 2.0
@@ -359,7 +359,7 @@ class WakeableRedisConsumer(_RedisConsumer):
                 heapq.heappop(due_times)
             return 0
         # A heartbeat riding on this fetch is stamped before the wait: keep it young.
-        longest = min(self.timeout, self.broker.heartbeat_timeout // 10)
+        longest = min(self.timeout, self.broker.heartbeat_every * 1000)
         if not due_times:
             return int(longest)
         return int(min(longest, due_times[0] - now))
@@ -506,7 +506,8 @@ class PipelineRedisBroker(RedisBroker):
         self.outage = BrokerOutage("Redis", cap=outage_backoff_max)
         self.take_bare_values = self.client.register_script(_TAKE_BARE_VALUES)
         self.fetch_with_ids = self.client.register_script(_FETCH_WITH_IDS)
-        # The fetches' heartbeat: one dispatch call a process per interval (see _fetch).
+        # The fetches' heartbeat: one dispatch call a process per interval (see _fetch),
+        # which also bounds an idle consumer's wait (WakeableRedisConsumer._idle_wait_ms).
         self.heartbeat_every = min(HEARTBEAT_EVERY_SECONDS, self.heartbeat_timeout / 10_000)
         self._last_fetch_heartbeat = float("-inf")
         self._fetches_since_heartbeat = 0
