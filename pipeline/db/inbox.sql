@@ -2,32 +2,59 @@
 
 -- name: inbox_claim
 -- Claim (consumer, event) for this attempt, in the handler's own transaction. Returns the
--- attempt number, or no row when the event was already processed or dead-lettered (a
--- duplicate). A concurrent copy waits on the row lock and then sees the outcome.
-INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq, status,
-                                 attempts, processed_at)
-VALUES (%(consumer)s, %(event_id)s, %(event_type)s, %(ordering_key)s, %(seq)s, 'processed', 1,
-        clock_timestamp())
-ON CONFLICT (consumer, event_id) DO UPDATE
-SET status = 'processed', attempts = i.attempts + 1, processed_at = clock_timestamp()
-WHERE i.status IN ('pending', 'failed')
-RETURNING attempts;
+-- attempt number, or NULL when the event was already processed or dead-lettered (a
+-- duplicate). A concurrent copy waits on the row lock and then sees the outcome, but for
+-- %(claim_wait_ms)s ms at most, or the usual lock_timeout if shorter (for this statement only: `wait` lowers it before
+-- the row is inserted and the outer SELECT puts the transaction's own back after): a copy
+-- held by a stuck worker's open transaction fails the claim at once (lock_not_available),
+-- so the message is given back instead of holding a worker thread for the full timeout.
+WITH wait AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS usual,
+           set_config('lock_timeout', CASE
+               WHEN current_setting('lock_timeout')::interval
+                    BETWEEN '1 microsecond' AND make_interval(secs => %(claim_wait_ms)s / 1e3)
+               THEN current_setting('lock_timeout') ELSE %(claim_wait_ms)s || 'ms' END, true)
+), claimed AS (
+    INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq,
+                                     status, attempts, processed_at)
+    SELECT %(consumer)s, %(event_id)s, %(event_type)s, %(ordering_key)s, %(seq)s,
+           'processed', 1, clock_timestamp()
+    FROM wait
+    ON CONFLICT (consumer, event_id) DO UPDATE
+    SET status = 'processed', attempts = i.attempts + 1, processed_at = clock_timestamp()
+    WHERE i.status IN ('pending', 'failed')
+    RETURNING attempts
+)
+SELECT claimed.attempts, set_config('lock_timeout', wait.usual, true)
+FROM wait LEFT JOIN claimed ON true;
 
 -- name: inbox_claim_many
 -- inbox_claim for all the events of a message at once (unordered consumers): one row per
--- claimed event with its attempt number; events already processed or dead-lettered return
--- nothing. Keys are locked in event-id order, so two copies of a message cannot deadlock.
-INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq, status,
-                                 attempts, processed_at)
-SELECT %(consumer)s, e.event_id, e.event_type, e.ordering_key, e.seq, 'processed', 1,
-       clock_timestamp()
-FROM unnest(%(event_ids)s::uuid[], %(event_types)s::text[], %(ordering_keys)s::text[],
-            %(seqs)s::bigint[]) AS e (event_id, event_type, ordering_key, seq)
-ORDER BY e.event_id
-ON CONFLICT (consumer, event_id) DO UPDATE
-SET status = 'processed', attempts = i.attempts + 1, processed_at = clock_timestamp()
-WHERE i.status IN ('pending', 'failed')
-RETURNING event_id, attempts;
+-- claimed event with its attempt number, or a single row of NULLs when none was claimed
+-- (all already processed or dead-lettered); the same bounded wait as inbox_claim. Keys are
+-- locked in event-id order, so two copies of a message cannot deadlock.
+WITH wait AS MATERIALIZED (
+    SELECT current_setting('lock_timeout') AS usual,
+           set_config('lock_timeout', CASE
+               WHEN current_setting('lock_timeout')::interval
+                    BETWEEN '1 microsecond' AND make_interval(secs => %(claim_wait_ms)s / 1e3)
+               THEN current_setting('lock_timeout') ELSE %(claim_wait_ms)s || 'ms' END, true)
+), claimed AS (
+    INSERT INTO {schema}.inbox AS i (consumer, event_id, event_type, ordering_key, seq,
+                                     status, attempts, processed_at)
+    SELECT %(consumer)s, e.event_id, e.event_type, e.ordering_key, e.seq, 'processed', 1,
+           clock_timestamp()
+    FROM wait, unnest(%(event_ids)s::uuid[], %(event_types)s::text[],
+                      %(ordering_keys)s::text[], %(seqs)s::bigint[])
+                 AS e (event_id, event_type, ordering_key, seq)
+    ORDER BY e.event_id
+    ON CONFLICT (consumer, event_id) DO UPDATE
+    SET status = 'processed', attempts = i.attempts + 1, processed_at = clock_timestamp()
+    WHERE i.status IN ('pending', 'failed')
+    RETURNING event_id, attempts
+)
+SELECT claimed.event_id, claimed.attempts, set_config('lock_timeout', wait.usual, true)
+FROM wait LEFT JOIN claimed ON true;
 
 -- name: inbox_fail
 -- Record a failed attempt (after rolling back the handler's savepoint); returns the attempt.

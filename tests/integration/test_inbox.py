@@ -405,6 +405,12 @@ def step_envelope(number: int) -> dict:
     }
 
 
+def _received(number: int):
+    from pipeline.envelope import decode_envelope
+
+    return decode_envelope(step_envelope(number))
+
+
 def test_a_batch_without_failures_claims_once_and_uses_no_savepoint(engine, inbox_settings):
     from sqlalchemy import event as sa_event
 
@@ -436,9 +442,10 @@ def test_a_batch_without_failures_claims_once_and_uses_no_savepoint(engine, inbo
     assert (outcome.processed, outcome.duplicates, outcome.retried) == (3, 2, 0)
     assert metrics.inbox_duplicates.labels("batcher", "step")._value.get() == before + 2
     assert stage_counts(engine, "b") == Counter({"1": 1, "2": 1, "3": 1, "4": 1})
-    # one claim for the message, one INSERT per handler, one recording the two duplicates
-    # (delivery_log, for `pipeline status`), and no SAVEPOINT / RELEASE
-    assert Counter(statements) == Counter({"INSERT": 5})
+    # one claim for the message (an INSERT in a WITH that bounds its lock wait), one
+    # INSERT per handler, one recording the two duplicates (delivery_log, for
+    # `pipeline status`), and no SAVEPOINT / RELEASE
+    assert Counter(statements) == Counter({"WITH": 1, "INSERT": 4})
     with engine.connect() as conn:
         logged = conn.execute(
             text(
@@ -447,6 +454,61 @@ def test_a_batch_without_failures_claims_once_and_uses_no_savepoint(engine, inbo
             )
         ).all()
     assert logged == [("duplicate", 2)]
+
+
+@pytest.mark.parametrize("events", [1, 3], ids=["one-event", "batch"])
+def test_a_claim_held_by_another_open_transaction_gives_the_message_back(
+    engine, inbox_settings, events
+):
+    """A stuck worker's open claim must not hold another worker's thread for the whole
+    lock timeout (here 60 s): the claim waits briefly, then fails as an outage (Dramatiq
+    retries the message later). The holder commits 3 s later; a claim that waited the
+    usual timeout would have seen that outcome and reported a duplicate instead."""
+    import threading
+
+    from pipeline.db.connect import make_engine
+    from pipeline.inbox.consumer import consumer
+
+    patient = inbox_settings.replace(lock_timeout_ms=60_000)
+    patient_engine = make_engine(patient)
+    routes = Registry()
+    handled: list[int] = []
+    consumer("claimer", ["step"], registry=routes)(
+        lambda event, ctx: handled.append(event.data["n"])
+    )
+    processor = direct_processor(patient_engine, patient, routes)
+    holder = engine.connect()
+    holder.execute(
+        text(
+            "INSERT INTO pipeline.inbox (consumer, event_id, event_type, ordering_key, seq,"
+            " status, attempts, processed_at) VALUES ('claimer', :id, 'step', NULL, NULL,"
+            " 'processed', 1, now())"
+        ),
+        {"id": uuid.UUID(int=1)},
+    )  # open: the claim of a worker that stopped mid-handler
+    release = threading.Timer(3.0, holder.commit)
+    release.start()
+    try:
+        with pytest.raises(Exception) as raised:
+            processor.handle([step_envelope(n) for n in range(1, events + 1)])
+    finally:
+        release.join()
+        holder.close()
+    assert isinstance(getattr(raised.value, "orig", None), psycopg.errors.LockNotAvailable), repr(
+        raised.value
+    )
+    assert handled == []  # the whole message was given back, its neighbours too
+    # Given again once the holder has committed: the rest is handled, the held one is a
+    # duplicate; and after a claim the transaction's lock waits are the usual ones.
+    outcome = processor.handle([step_envelope(n) for n in range(1, events + 1)])
+    assert (outcome.processed, outcome.duplicates) == (events - 1, 1)
+    assert handled == list(range(2, events + 1))
+    with patient_engine.connect() as conn, conn.begin():
+        assert processor.store.claim_many(conn, "claimer", [_received(99), _received(98)])
+        assert processor.store.claim(conn, "claimer", _received(97)) == 1
+        assert conn.exec_driver_sql("SHOW lock_timeout").scalar_one() == "1min"
+        conn.rollback()
+    patient_engine.dispose()
 
 
 def test_a_failing_handler_in_a_batch_keeps_its_neighbours_and_runs_once(engine, inbox_settings):

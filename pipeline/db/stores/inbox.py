@@ -20,6 +20,14 @@ from pipeline.envelope import ReceivedEvent
 if TYPE_CHECKING:
     from sqlalchemy import Connection
 
+CLAIM_LOCK_WAIT_MS = 100
+"""How long a claim waits on a copy of its event that another transaction has claimed and
+not yet committed (a duplicate delivery being handled, or a stuck worker's open claim)
+before it fails with ``lock_not_available``: the message is then given back and tried
+again later, so a worker that stopped with claims open ties up no other worker's threads
+for the whole ``PIPELINE_LOCK_TIMEOUT_MS``. The ledger sweep waits as briefly
+(:data:`pipeline.db.stores.ledger.ACCOUNT_LOCK_WAIT_MS`)."""
+
 
 @dataclass(frozen=True)
 class ConsumeDeadLetter:
@@ -75,12 +83,17 @@ class InboxStore:
             "event_type": event.type,
             "ordering_key": event.ordering_key,
             "seq": event.seq,
+            "claim_wait_ms": CLAIM_LOCK_WAIT_MS,
         }
 
     def claim(self, connection: Connection, consumer: str, event: ReceivedEvent) -> int | None:
-        """Claim (consumer, event): the attempt number, or None when already done."""
-        row = connection.exec_driver_sql(self._claim, self._key(consumer, event)).first()
-        return None if row is None else int(row[0])
+        """Claim (consumer, event): the attempt number, or None when already done.
+
+        Raises :class:`psycopg.errors.LockNotAvailable` (wrapped by SQLAlchemy) when another
+        transaction has held the claim for :data:`CLAIM_LOCK_WAIT_MS`: an outage to the
+        caller, which gives the message back."""
+        row = connection.exec_driver_sql(self._claim, self._key(consumer, event)).one()
+        return None if row[0] is None else int(row[0])
 
     def claim_many(
         self, connection: Connection, consumer: str, events: Sequence[ReceivedEvent]
@@ -98,9 +111,10 @@ class InboxStore:
                 "event_types": [event.type for event in events],
                 "ordering_keys": [event.ordering_key for event in events],
                 "seqs": [event.seq for event in events],
+                "claim_wait_ms": CLAIM_LOCK_WAIT_MS,
             },
         ).all()
-        return {row[0]: int(row[1]) for row in rows}
+        return {row[0]: int(row[1]) for row in rows if row[0] is not None}
 
     def log_duplicates(
         self, connection: Connection, consumer: str, event_ids: Sequence[uuid.UUID]
