@@ -3,10 +3,17 @@ on a host of its own (a network namespace), and partitions between them while it
 
 Partitions here are silent, as between machines: packets vanish, nobody gets a reset, and
 only timeouts and keepalives end a connection. Needs root (namespaces); skipped otherwise.
+The random loss that ``link-degrade`` adds where the kernel has no netem is checked here too,
+on the bare link (datagrams counted, a TCP stream compared); it also needs ``nft``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import os
+import shutil
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +25,7 @@ from sqlalchemy.engine import Engine
 
 from pipeline import NewEvent, Settings, configure
 from pipeline.db.migrate import upgrade
+from pipeline.tools.drill.network import DEGRADE, THROTTLE
 from pipeline.tools.harness.hosts import HostNetwork, host_network_problem
 from pipeline.tools.harness.postgres_server import EmbeddedPostgres
 from pipeline.tools.harness.redis_server import EmbeddedRedis
@@ -152,3 +160,94 @@ def test_a_partition_between_hosts_heals_without_loss_or_duplicate(
         counts = stage_counts(engine, stage)
         assert set(counts) == set(orders), f"{stage}: missing {set(orders) - set(counts)}"
         assert max(counts.values()) == 1, f"{stage}: duplicate effects"
+
+
+SO_RCVBUFFORCE = 33  # Linux: a receive buffer past rmem_max, for root
+NEEDS_NFT = pytest.mark.skipif(shutil.which("nft") is None, reason="random loss needs nft")
+
+
+def datagrams_through(network: HostNetwork, sender: str, receiver: str, count: int) -> int:
+    """How many of ``count`` numbered UDP datagrams sent from ``sender`` reach ``receiver``.
+
+    The receive buffer holds all of them and the sends are paced, so that nothing but the
+    link drops any: what is missing was lost on the way.
+    """
+    with network[receiver].entered():
+        inbox = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with network[sender].entered():
+        outbox = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with inbox, outbox:
+        inbox.setsockopt(socket.SOL_SOCKET, SO_RCVBUFFORCE, 8 << 20)
+        inbox.bind((network[receiver].address, 0))
+        for number in range(count):
+            outbox.sendto(number.to_bytes(4, "big") * 25, inbox.getsockname())
+            if number % 20 == 19:
+                time.sleep(0.001)
+        inbox.settimeout(1.0)  # the link delays nothing here: a second of quiet is the end
+        seen: set[int] = set()
+        with contextlib.suppress(TimeoutError):
+            while True:
+                seen.add(int.from_bytes(inbox.recv(200)[:4], "big"))
+    return len(seen)
+
+
+@NEEDS_NFT
+def test_random_loss_drops_a_share_each_way_and_restore_ends_it(network: HostNetwork) -> None:
+    """With ``link-degrade``'s loss on the work host's link, datagrams go missing both ways,
+    a share near the one asked; after :meth:`HostNetwork.restore` none do."""
+    count, loss = 2000, DEGRADE[2]
+    for sender, receiver in (("work", "app"), ("app", "work")):  # addresses resolved first
+        assert datagrams_through(network, sender, receiver, 10) == 10
+    try:
+        network.lose("work", loss)
+        sent_lost = count - datagrams_through(network, "work", "app", count)
+        received_lost = count - datagrams_through(network, "app", "work", count)
+        counted = network.lost("work")
+    finally:
+        network.restore("work")
+    for lost in (sent_lost, received_lost):  # 5 % of 2000 is 100; 0 or 600 would be a fault
+        assert 0 < lost < 0.3 * count, (sent_lost, received_lost)
+    assert counted >= sent_lost + received_lost  # nft's own count (ARP too, if any was hit)
+    assert network.lost("work") == 0  # its tables are gone
+    assert datagrams_through(network, "work", "app", count) == count
+    assert datagrams_through(network, "app", "work", count) == count
+
+
+@NEEDS_NFT
+@pytest.mark.timeout(120)
+def test_tcp_delivers_every_byte_through_the_degraded_link(network: HostNetwork) -> None:
+    """Under what ``link-degrade`` does without netem (the token bucket and random loss both
+    ways), a TCP stream from the work host still arrives whole: loss is on the wire, and
+    retransmission repairs it."""
+    payload = os.urandom(48 * 1024)  # about 3 s at the bucket's 128 kbit/s
+    with network["app"].entered():
+        listener = socket.create_server((network["app"].address, 0))
+    listener.settimeout(60)
+    received = bytearray()
+
+    def accept() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.settimeout(60)
+            while chunk := connection.recv(65536):
+                received.extend(chunk)
+
+    try:
+        network.throttle("work", *THROTTLE)
+        network.lose("work", DEGRADE[2])
+        reader = threading.Thread(target=accept)
+        reader.start()
+        with network["work"].entered():
+            client = socket.create_connection(listener.getsockname(), timeout=60)
+        with client:
+            client.sendall(payload)
+            client.shutdown(socket.SHUT_WR)
+            reader.join(90)
+        lost = network.lost("work")
+    finally:
+        network.restore("work")
+        listener.close()
+    assert not reader.is_alive(), "the stream never ended"
+    assert len(received) == len(payload)
+    assert hashlib.sha256(received).digest() == hashlib.sha256(payload).digest()
+    assert lost > 0, "no packet was dropped: the stream was not tested under loss"

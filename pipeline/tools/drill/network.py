@@ -14,8 +14,11 @@ proxy between them, and the drill cuts links instead:
 * ``zombie-relay``: a relay is paused (``SIGSTOP``) past its lease while its host is cut
   from Postgres; the link heals and then the relay resumes, to find its claims taken over;
 * ``link-degrade``: delay and loss on a worker host's link: ``tc netem`` where the kernel
-  has netem; otherwise a token bucket (``tc tbf``) on both ends of the host's link, slow
-  enough that its traffic queues (delay) and overflows the queue (tail drops).
+  has netem. Otherwise a token bucket (``tc tbf``) on both ends of the host's link, slow
+  enough that its traffic queues (delay) and overflows the queue (tail drops), and, where
+  ``nft`` works, netem's random loss too: an nftables filter at each end of the link
+  dropping each arriving packet with netem's probability (both ways). Without ``nft``, the
+  bucket alone (its tail drops are the only loss).
 """
 
 from __future__ import annotations
@@ -46,8 +49,9 @@ NETWORK_DESCRIPTIONS = {
     "partition-relay-broker": "a relay's host cut from Redis mid-publish",
     "zombie-relay": "a relay paused past its lease while cut from Postgres; heals, then resumes",
     "link-degrade": "delay 50 ms +- 20 ms and 5 % loss on a worker host's link (tc netem); "
-    "without netem, the link both ways through a 128 kbit/s token bucket (tc tbf): queueing "
-    "delay and tail drops",
+    "without netem, the link both ways through a 128 kbit/s token bucket (tc tbf: queueing "
+    "delay and tail drops) and 5 % random loss each way (nftables), or the bucket alone "
+    "without nft",
 }
 PROXY_KINDS = ("proxy-drop", "proxy-stall")
 """Faults of the proxies, which do not run across hosts (partitions stand in for them)."""
@@ -68,7 +72,10 @@ class DrillHosts:
 
     network: HostNetwork
     link_emulation: str | None = None
-    """What ``link-degrade`` uses here, ``"netem"`` or ``"tbf"``: see :meth:`link_problem`."""
+    """What ``link-degrade`` uses here, ``"netem"``, ``"tbf+nft-loss"`` (a token bucket and
+    random loss by nftables) or ``"tbf"`` (the bucket alone): see :meth:`link_problem`."""
+    loss_problem: str | None = None
+    """Why there is no random loss with the token bucket (``"tbf"``), or None."""
 
     @classmethod
     def create(cls, relays: int, workers: int) -> DrillHosts:
@@ -89,7 +96,8 @@ class DrillHosts:
 
     def link_problem(self) -> str | None:
         """Why ``link-degrade`` cannot be done here (this kernel's ``tc`` has neither netem nor
-        tbf), or None, with :attr:`link_emulation` set to the one that works (netem first)."""
+        tbf), or None, with :attr:`link_emulation` set to what works (tried on the app host,
+        then removed): netem; else tbf with nftables' random loss; else tbf alone."""
         try:
             self.network.degrade(APP_HOST, *DEGRADE)
         except HostNetworkUnavailable as no_netem:
@@ -97,7 +105,13 @@ class DrillHosts:
                 self.network.throttle(APP_HOST, *THROTTLE)
             except HostNetworkUnavailable as no_tbf:
                 return f"{no_netem}; {no_tbf}"
-            self.link_emulation = "tbf"
+            try:
+                self.network.lose(APP_HOST, DEGRADE[2])
+            except HostNetworkUnavailable as no_nft:
+                self.link_emulation = "tbf"
+                self.loss_problem = str(no_nft)
+            else:
+                self.link_emulation = "tbf+nft-loss"
         else:
             self.link_emulation = "netem"
         self.network.restore(APP_HOST)
@@ -144,28 +158,42 @@ class NetworkFaults:
         raise ValueError(f"unknown network fault kind {kind!r}")
 
     def _degrade(self, host: str, seconds: float) -> str:
-        """Delay and loss on ``host``'s link for ``seconds``: netem, or else a token bucket."""
+        """Delay and loss on ``host``'s link for ``seconds``: netem, or else a token bucket
+        with (where nftables works) random loss."""
         network = self.hosts.network
-        bucket = self.hosts.link_emulation == "tbf"
-        if bucket:
-            network.throttle(host, *THROTTLE)
-        else:
-            network.degrade(host, *DEGRADE)
+        emulation = self.hosts.link_emulation
+        delay, jitter, loss = DEGRADE
         try:
+            if emulation == "netem":
+                network.degrade(host, *DEGRADE)
+            else:
+                network.throttle(host, *THROTTLE)
+                if emulation == "tbf+nft-loss":
+                    network.lose(host, loss)
             self.wait(seconds)
-            dropped, delayed = network.shaped(host) if bucket else (0, 0)
+            dropped, delayed = network.shaped(host) if emulation != "netem" else (0, 0)
+            lost = network.lost(host) if emulation == "tbf+nft-loss" else 0
         finally:
             network.restore(host)
-        if bucket:
-            rate, burst, queue = THROTTLE
+        if emulation == "netem":
             return (
-                f"{host}: both ways through a token bucket (tc tbf, no netem here) of "
-                f"{rate} kbit/s, burst {burst} B, queue {queue} ms for {seconds:.1f} s: "
-                f"over the rate {delayed} times, {dropped} packets dropped"
+                f"{host}: {delay:g} ms +- {jitter:g} ms, {loss:g} % loss (tc netem) "
+                f"for {seconds:.1f} s"
             )
-        delay, jitter, loss = DEGRADE
+        rate, burst, queue = THROTTLE
+        bucket = (
+            f"{host}: both ways through a token bucket (tc tbf, no netem here) of "
+            f"{rate} kbit/s, burst {burst} B, queue {queue} ms"
+        )
+        if emulation == "tbf+nft-loss":
+            return (
+                f"{bucket}, and {loss:g} % random loss each way (nftables) for "
+                f"{seconds:.1f} s: over the rate {delayed} times, {dropped} packets dropped "
+                f"by the bucket, {lost} at random"
+            )
         return (
-            f"{host}: {delay:g} ms +- {jitter:g} ms, {loss:g} % loss (tc netem) for {seconds:.1f} s"
+            f"{bucket} for {seconds:.1f} s: over the rate {delayed} times, "
+            f"{dropped} packets dropped"
         )
 
     def _zombie(self, member: Member, seconds: float) -> str:

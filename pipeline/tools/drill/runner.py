@@ -59,7 +59,7 @@ from pipeline.tools.drill.faults import (
     schedule,
 )
 from pipeline.tools.drill.members import Kind, Member, Members
-from pipeline.tools.drill.network import PROXY_KINDS, DrillHosts, NetworkFaults
+from pipeline.tools.drill.network import DEGRADE, PROXY_KINDS, DrillHosts, NetworkFaults
 from pipeline.tools.drill.proxy import ProxyProcess
 from pipeline.tools.drill.report import (
     RunFacts,
@@ -562,10 +562,17 @@ class _Drill:
                     raise DrillError(f"fault kind 'link-degrade' cannot be done here: {problem}")
                 self.kinds = tuple(kind for kind in self.kinds if kind != "link-degrade")
                 self.notes.append(f"link-degrade left out: {problem}")
+            elif hosts.link_emulation == "tbf+nft-loss":
+                self.notes.append(
+                    "link-degrade: this kernel has no netem; a token bucket (tc tbf) on the "
+                    f"link stands in for its delay, and nftables drops {DEGRADE[2]:g} % of "
+                    "packets each way at random for its loss"
+                )
             elif hosts.link_emulation == "tbf":
                 self.notes.append(
                     "link-degrade: this kernel has no netem; a token bucket (tc tbf) on the "
-                    "link stands in for delay and loss"
+                    "link stands in for delay and loss (no random loss: "
+                    f"{hosts.loss_problem})"
                 )
         stack = contextlib.ExitStack()
         stack.enter_context(hosts["app"].entered())

@@ -14,8 +14,11 @@ way it does between machines:
   the kernel has it; :class:`HostNetworkUnavailable` names what is missing otherwise);
 * :meth:`HostNetwork.throttle` squeezes a host's link through a token bucket (``tc tbf``,
   both ends of its veth), for kernels without netem: packets past the bucket wait in a
-  short queue (delay) and those past the queue are dropped (loss);
-* :meth:`HostNetwork.restore` removes either.
+  short queue (delay) and those past the queue are dropped (tail drops);
+* :meth:`HostNetwork.lose` drops a random share of the packets on a host's link, both
+  ways (``nft``: an ingress filter at each end of its veth, ``numgen random``), for
+  kernels without netem: the random loss netem would add, to go with :meth:`throttle`;
+* :meth:`HostNetwork.restore` removes all of them.
 
 Processes are put on a host in one of two ways: a child process by the argv prefix of
 :meth:`Host.command` (``ip netns exec``, then ``setpriv`` to drop root for servers that
@@ -52,15 +55,18 @@ SUBNET = ipaddress.ip_network("10.231.0.0/24")
 NAME_PATTERN = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _OWNED = re.compile(r"^pl(\d+)-")
 _QDISC_STATS = re.compile(r"dropped (\d+), overlimits (\d+)")
+_NFT_DROPS = re.compile(r"counter packets (\d+) bytes \d+ drop")
+LOSS_TABLE = "pl_loss"  # the nftables table (netdev family) of :meth:`HostNetwork.lose`
 NOWHERE = "02:00:5e:ff:ff:fe"  # a locally administered address no interface here has
 
 
 class HostNetworkUnavailable(PipelineError):
-    """This machine (or this process) cannot make hosts: not root, no ``ip``, no netem."""
+    """This machine (or this process) cannot make hosts or a fault between them: not root,
+    no ``ip``, no netem, no ``nft``."""
 
 
-def _run(argv: Sequence[str]) -> str:
-    result = subprocess.run(list(argv), capture_output=True, text=True, check=False)
+def _run(argv: Sequence[str], stdin: str | None = None) -> str:
+    result = subprocess.run(list(argv), input=stdin, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         reason = (result.stderr or result.stdout).strip().splitlines()
         raise HostNetworkUnavailable(
@@ -272,11 +278,60 @@ class HostNetwork:
             self.restore(name)
             raise
 
+    def lose(self, name: str, loss_percent: float) -> None:
+        """Drop ``loss_percent`` % of the packets on ``name``'s link, each way, at random,
+        until :meth:`restore` (``nft``, for kernels whose ``tc`` has no netem).
+
+        An nftables table at each end of the host's veth filters what arrives there (the
+        netdev family's ingress hook): in the host, on ``eth0``, what it receives; in the
+        bridge's namespace, on its port, what it sends. Each packet is dropped when
+        ``numgen random`` falls under the share, independently of the others, as netem's
+        ``loss`` does. Dropping where packets arrive, not where they leave, makes it loss
+        on the wire: the sender is never told (an output-hook drop would fail the sender's
+        ``send`` with ``EPERM``), and TCP sees it only as missing acknowledgements.
+        """
+        if not 0 < loss_percent <= 100:
+            raise ValueError(f"loss {loss_percent} %: more than 0, at most 100")
+        if shutil.which("nft") is None:
+            raise HostNetworkUnavailable(
+                "random loss needs `nft` (Debian: apt-get install nftables)"
+            )
+        below = round(loss_percent * 100)  # of 10000: a share to 0.01 %
+        try:
+            for netns, device in self._ends(name):
+                script = (
+                    f"table netdev {LOSS_TABLE} {{\n"
+                    f"  chain ingress {{\n"
+                    f'    type filter hook ingress device "{device}" priority 0; policy accept;\n'
+                    f"    numgen random mod 10000 < {below} counter drop\n"
+                    f"  }}\n"
+                    f"}}\n"
+                )
+                _run(["ip", "netns", "exec", netns, "nft", "-f", "-"], stdin=script)
+        except BaseException:
+            self.restore(name)
+            raise
+
+    def lost(self, name: str) -> int:
+        """Packets :meth:`lose` has dropped so far on ``name``'s link, both ways summed."""
+        dropped = 0
+        for netns, _ in self._ends(name):
+            argv = ["ip", "netns", "exec", netns, "nft", "list", "table", "netdev", LOSS_TABLE]
+            with contextlib.suppress(HostNetworkUnavailable):  # no loss on that end
+                dropped += sum(int(m.group(1)) for m in _NFT_DROPS.finditer(_run(argv)))
+        return dropped
+
     def restore(self, name: str) -> None:
-        """Undo :meth:`degrade` or :meth:`throttle`: both ends of the link unshaped."""
+        """Undo :meth:`degrade`, :meth:`throttle` and :meth:`lose`: both ends of the link
+        unshaped, and no packet dropped at random."""
         for argv in self._tc(name, "del"):
             with contextlib.suppress(HostNetworkUnavailable):  # nothing to remove
                 _run(argv)
+        if shutil.which("nft") is not None:
+            for netns, _ in self._ends(name):
+                argv = ["ip", "netns", "exec", netns, "nft", "delete", "table", "netdev"]
+                with contextlib.suppress(HostNetworkUnavailable):  # nothing to remove
+                    _run([*argv, LOSS_TABLE])
 
     def shaped(self, name: str) -> tuple[int, int]:
         """Packets dropped, and times a packet found the bucket empty (``overlimits``), so far
@@ -289,16 +344,18 @@ class HostNetwork:
                 held += int(match.group(2))
         return dropped, held
 
+    def _ends(self, name: str) -> list[tuple[str, str]]:
+        """The two ends of the host's veth, (namespace, interface): its ``eth0``, then its
+        port on the bridge."""
+        host = self[name]
+        return [(host.netns, "eth0"), (self.switch, self._port(host))]
+
     def _tc(self, name: str, verb: str, *qdisc: str) -> list[list[str]]:
         """``tc qdisc <verb>`` at the root of the host's ``eth0``, then of its bridge port."""
-        host = self[name]
         return [
-            ["ip", "netns", "exec", host.netns, "tc", "qdisc", verb, "dev", "eth0", "root", *qdisc],
-            [
-                "ip", "netns", "exec", self.switch, "tc", "qdisc", verb,
-                "dev", self._port(host), "root", *qdisc,
-            ],
-        ]  # fmt: skip
+            ["ip", "netns", "exec", netns, "tc", "qdisc", verb, "dev", device, "root", *qdisc]
+            for netns, device in self._ends(name)
+        ]
 
     def heal_all(self) -> None:
         for pair in list(self._cuts):
