@@ -3,6 +3,8 @@ namespaces), and the network fault kinds between them. Needs root; skipped other
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from pipeline.tools.drill.network import NETWORK_KINDS
@@ -23,7 +25,8 @@ def test_across_hosts_every_network_fault_keeps_every_guarantee():
     """Relays, worker groups, Postgres, Redis and the producer on hosts of their own; each
     network fault kind cuts or degrades links between them (3 s each here) while orders
     flow. The seed spreads the seven faults over the 30 s window. ``link-degrade`` is netem
-    where the kernel has it, else a token bucket; its detail says which ran."""
+    where the kernel has it, else a token bucket with nftables' random loss (the bucket
+    alone without ``nft``); its detail says which ran."""
     problem = host_network_problem()
     if problem is not None:
         pytest.skip(problem)
@@ -42,6 +45,8 @@ def test_across_hosts_every_network_fault_keeps_every_guarantee():
     assert report["dead_letters"] == {"expected": 6, "found": 6, "unexpected": 0}
     [degrade] = [f for f in report["faults"]["timeline"] if f["kind"] == "link-degrade"]
     assert "(tc netem)" in degrade["detail"] or "(tc tbf, no netem here)" in degrade["detail"]
+    if "(tc tbf, no netem here)" in degrade["detail"] and shutil.which("nft") is not None:
+        assert "random loss each way (nftables)" in degrade["detail"]
     assert result.returncode == 0
 
 
