@@ -293,9 +293,7 @@ class HostNetwork:
         if not 0 < loss_percent <= 100:
             raise ValueError(f"loss {loss_percent} %: more than 0, at most 100")
         if shutil.which("nft") is None:
-            raise HostNetworkUnavailable(
-                "random loss needs `nft` (Debian: apt-get install nftables)"
-            )
+            raise HostNetworkUnavailable("`nft` not found (Debian: apt-get install nftables)")
         below = round(loss_percent * 100)  # of 10000: a share to 0.01 %
         try:
             for netns, device in self._ends(name):
