@@ -120,6 +120,22 @@ def test_relay_down_waits_on_the_backlog_only_and_curl_fails_loudly():
                 assert "curl -sS --fail " in line, f"{page.name}: {line}"
 
 
+def test_pages_of_alerts_by_transport_say_what_to_do_on_each_transport():
+    """An alert that keeps a ``transport`` label fires for Redis and for RabbitMQ under one
+    name: its page, and the playbooks it links (lower-case names), must tell the on-call
+    what to look at on either, not only on Redis."""
+    by_transport = [rule for rule in alert_rules() if "transport" in rule["expr"]]
+    assert by_transport, "no alert keeps the transport label"
+    for rule in by_transport:
+        page = RUNBOOKS_DIR / f"{rule['alert']}.md"
+        playbooks = set(re.findall(r"/([a-z][a-z-]+\.md)\)", page.read_text()))
+        assert playbooks, rule["alert"]
+        for shown in [page, *(RUNBOOKS_DIR / name for name in sorted(playbooks))]:
+            text = shown.read_text()
+            assert 'transport="rabbitmq"' in text, shown.name
+            assert "rabbitmq-diagnostics" in text, shown.name
+
+
 def test_every_promql_block_parses(tmp_path):
     exprs = [b.strip() for page in PAGES for b in blocks(page, "promql")]
     assert len(exprs) > 40
