@@ -224,3 +224,8 @@ def test_a_worker_waits_through_a_broker_outage_one_line_per_step(
     assert all("next try in" in line for line in steps)
     assert "RabbitMQ reachable again: consuming" in text_
     assert "Traceback" not in text_ and "CRITICAL" not in text_, text_[-3000:]
+    relay_text = (tmp_path / "relay.log").read_text(errors="replace")
+    waits = [line for line in relay_text.splitlines() if "relay waiting" in line]
+    assert waits, relay_text[-3000:]  # the events produced during the outage were owed
+    assert all("RabbitMQ" in line and "next try in" in line for line in waits), waits
+    assert "Traceback" not in relay_text, relay_text[-3000:]

@@ -18,7 +18,9 @@ import importlib.metadata
 import importlib.resources
 import inspect
 import json
+import logging
 import re
+import sys
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -447,3 +449,27 @@ def test_pikas_blocking_channel_still_has_the_channel_the_publisher_confirms_on(
     ]
     publish = list(inspect.signature(pika.channel.Channel.basic_publish).parameters)
     assert publish[:6] == ["self", "exchange", "routing_key", "body", "properties", "mandatory"]
+
+
+def test_dramatiq_logs_a_failed_close_with_the_words_the_rabbitmq_filter_quietens():
+    """``QuietCloseFailures`` recognises Dramatiq's failed-close lines by their first words;
+    another wording would bring the tracebacks back at every RabbitMQ outage."""
+    import dramatiq.brokers.rabbitmq
+
+    from pipeline.transport.amqp.broker import CLOSING_FAILED, QuietCloseFailures
+
+    source = inspect.getsource(dramatiq.brokers.rabbitmq)
+    assert f'"{CLOSING_FAILED} Channel."' in source
+    assert f'"{CLOSING_FAILED} Connection."' in source
+    try:
+        raise ConnectionResetError(104, "Connection reset by peer")
+    except ConnectionResetError:
+        record = logging.LogRecord(
+            "dramatiq.broker.PipelineRabbitmqBroker", logging.ERROR, __file__, 1,
+            f"{CLOSING_FAILED} Channel.", (), sys.exc_info(),
+        )  # fmt: skip
+    assert QuietCloseFailures().filter(record) is False  # the logger is not at DEBUG
+    assert record.exc_info is None and record.levelno == logging.DEBUG
+    assert record.getMessage() == (
+        f"{CLOSING_FAILED} Channel. ConnectionResetError: [Errno 104] Connection reset by peer"
+    )

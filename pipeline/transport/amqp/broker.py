@@ -50,6 +50,32 @@ log = logging.getLogger("pipeline.transport.broker")
 # with tracebacks; the pipeline reports every failure it sees in one line of its own.
 logging.getLogger("pika").setLevel(logging.CRITICAL)
 
+CLOSING_FAILED = "Encountered exception while closing"
+"""How Dramatiq's RabbitMQ broker begins the line it logs, with a traceback, when closing a
+thread's channel or connection raised."""
+
+
+class QuietCloseFailures(logging.Filter):
+    """Closing the channel and connection of a broker that went away fails by nature, and
+    Dramatiq logs each failure at ERROR with a traceback (a relay dropping its connection
+    at an outage printed one). The pipeline logs the outage itself once per backoff step,
+    so such a line is kept only at DEBUG, on one line, without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(CLOSING_FAILED):
+            return True
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]
+            record.msg = f"{record.getMessage()} {type(error).__name__}: {error}"
+            record.args = ()
+        record.exc_info = None
+        record.exc_text = None
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+QUIET_CLOSE_FAILURES = QuietCloseFailures()
+
 QUORUM = {"x-queue-type": "quorum"}
 IDLE_RETURN_MS = 100
 """Longest an idle consumer goes without returning to Dramatiq's consumer thread, which
@@ -239,6 +265,7 @@ class PipelineRabbitmqBroker(RabbitmqBroker):
         **kwargs: Any,
     ) -> None:
         super().__init__(confirm_delivery=True, max_priority=None, **kwargs)
+        self.logger.addFilter(QUIET_CLOSE_FAILURES)  # once: the logger is Dramatiq's, shared
         self.namespace = namespace
         self.prefetch_max = prefetch_max
         self.outage = BrokerOutage("RabbitMQ", cap=outage_backoff_max)
