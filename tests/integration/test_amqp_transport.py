@@ -568,3 +568,43 @@ def test_on_rabbitmq_a_message_delivered_twice_is_dead_lettered_once(
     letters = dead_letters(amqp_engine)
     assert len(letters) == 3, letters
     assert log.read_text().count("dead-lettered already") == 3, log.read_text()[-3000:]
+
+
+def test_the_demo_on_rabbitmq_holds_its_invariants_and_leaves_no_queue(amqp_settings):
+    """``pipeline demo`` given an AMQP URL (and this test's database) runs its relay and
+    workers on RabbitMQ: every invariant of its summary holds, the injected duplicates are
+    absorbed, and its own quorum queues are gone afterwards."""
+    import subprocess
+
+    from tests.integration.test_demo import DEMO_TIMEOUT, clean_env, demo_command
+
+    api = management(amqp_settings)
+    env = clean_env()
+    env.update(
+        PIPELINE_BROKER_URL=amqp_settings.require_broker_url(),
+        PIPELINE_DATABASE_URL=amqp_settings.require_database_url(),
+    )
+    if amqp_settings.broker_management_url is not None:
+        env["PIPELINE_BROKER_MANAGEMENT_URL"] = (
+            amqp_settings.broker_management_url.get_secret_value()
+        )
+    done = subprocess.run(
+        demo_command("--events", "30", "--duplicates", "0.5", "--processes", "1", "--json"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads(done.stdout)
+    assert summary["ok"] is True, summary["failed_invariants"]
+    assert "PIPELINE_BROKER_URL amqp://" in summary["setup"]["redis"]
+    assert summary["processed"] == {"payments": 30, "inventory": 30, "notifications": 30}
+    assert summary["charges"]["made"] == summary["charges"]["orders"] == 30
+    assert summary["events"]["published"] == 91 and summary["events"]["unsent"] == 0
+    duplicates = summary["duplicates"]
+    assert duplicates["absorbed_total"] >= duplicates["injected_total"] > 0
+    assert "could not" not in done.stderr, done.stderr[-2000:]  # every clean-up step done
+    left = [q["name"] for q in api.queues() if str(q["name"]).startswith("pipeline_demo_")]
+    assert left == []

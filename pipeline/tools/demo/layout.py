@@ -165,9 +165,18 @@ def prepare_database(
         if not keep_data:
             cleanup.push("drop the demo's schemas", lambda: drop_schemas(engine, queries, schemas))
     if layout.own_namespace and not keep_data:
+        # RabbitMQ's queues are deleted through its management API: the one configured, if
+        # any, else the broker host's default port.
+        management = settings.broker_management_url
         cleanup.push(
-            "delete the demo's Redis keys",
-            lambda: delete_namespace(settings.require_redis_url(), settings.redis_namespace),
+            "delete the demo's queues"
+            if settings.broker_is_amqp
+            else "delete the demo's Redis keys",
+            lambda: delete_namespace(
+                settings.require_redis_url(),
+                settings.redis_namespace,
+                management.get_secret_value() if management is not None else None,
+            ),
         )
 
 
