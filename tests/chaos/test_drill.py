@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from typing import Any
 
@@ -81,6 +82,28 @@ def test_shortened_drill_with_every_fault_kind_keeps_every_guarantee():
     assert report["api"]["emails"]["total"] == 900
     assert report["dead_letters"] == {"expected": 6, "found": 6, "unexpected": 0}
     assert report["events"]["ids_out_of_sequence_order"]["events"] > 0  # the skew took hold
+    assert result.returncode == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not SOAK, reason="a drill on Sentinel (about 90 s); PIPELINE_SOAK=1 runs it")
+def test_drill_on_sentinel_fails_over_twice_and_reports_when_the_flow_came_back():
+    """``--sentinel``: the master killed (the old one back as a replica) and a forced
+    failover under orders; nothing lost or done twice, and each fault says when the relays
+    marked events sent again on the new master (the flow back an operator waits for)."""
+    kinds = ("sentinel-failover", "sentinel-kill-master")
+    result, report = drill(
+        "--sentinel", "--events", "200", "--rate", "20", "--faults", "2",
+        "--fault-kinds", ",".join(kinds), "--seed", "3", "--recovery-timeout", "120",
+    )  # fmt: skip
+
+    assert_every_kind_injected(report, kinds)
+    assert report["violations"] == [], render_text(report)
+    assert report["api"]["charges"]["total"] == 200
+    for fault in report["faults"]["timeline"]:
+        assert re.search(r"events marked sent again \d+\.\d s after it began", fault["detail"]), (
+            fault
+        )
     assert result.returncode == 0
 
 

@@ -107,6 +107,9 @@ SENTINEL_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in REDIS_ALON
 AMQP_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in REDIS_ALONE) + RABBIT_KINDS
 """What a drill on its own RabbitMQ cluster may inject (``--transport amqp``)."""
 FIND_CONNECTIONS_SECONDS = 5.0
+FLOW_BACK_SECONDS = 60.0
+"""Longest a Sentinel fault waits to see the relays mark an event sent on the new master
+(the report then says nothing was; the run's recovery bound judges the rest)."""
 DEFAULT_LEASE_SECONDS = 30.0  # PIPELINE_LEASE_SECONDS when the processes' environment has none
 
 
@@ -266,10 +269,12 @@ class Injector:
             return detail
         if kind == "sentinel-kill-master":
             old, named = self.sentinel.kill_master()
-            self.wait(fault.seconds)
+            began = time.monotonic() - named
+            flow = self._flow_back(began)
+            self.wait(max(0.0, fault.seconds - (time.monotonic() - began - named)))
             self.sentinel.rejoin(old)
             return (
-                f"master killed, a new one named after {named:.1f} s; the old one back "
+                f"master killed, a new one named after {named:.1f} s, {flow}; the old one back "
                 f"{fault.seconds:.1f} s later as a replica"
             )
         if kind in RABBIT_ONLY:
@@ -277,7 +282,9 @@ class Injector:
                 raise ValueError(f"{kind} needs the drill's RabbitMQ (--transport amqp)")
             return self.rabbit.do(fault)
         if kind == "sentinel-failover":
-            return f"failover forced, done in {self.sentinel.force_failover():.1f} s"
+            took = self.sentinel.force_failover()
+            flow = self._flow_back(time.monotonic() - took)
+            return f"failover forced, done in {took:.1f} s, {flow}"
         if kind == "proxy-drop":
             return self.proxies.send(fault.target, "drop")
         if kind == "proxy-stall":
@@ -327,6 +334,22 @@ class Injector:
         finally:
             self.members.resume(member)
         return f"{member.name} stopped {paused:.1f} s, then continued"
+
+    def _sent(self) -> int:
+        with psycopg.connect(self.database_url, autocommit=True, connect_timeout=10) as conn:
+            row = conn.execute(self.queries.text("sent_events")).fetchone()
+        return int(row[0]) if row else 0
+
+    def _flow_back(self, began: float) -> str:
+        """When the relays marked an event sent again after a failover that ``began`` (a
+        monotonic time): publishing on the new master, the flow back an operator waits for."""
+        before = self._sent()
+        deadline = time.monotonic() + FLOW_BACK_SECONDS
+        while time.monotonic() < deadline:
+            self.wait(0.2)
+            if self._sent() > before:
+                return f"events marked sent again {time.monotonic() - began:.1f} s after it began"
+        return f"no event marked sent within {FLOW_BACK_SECONDS:g} s of the new master"
 
     def _terminate(self, fault: Fault, kind: Kind, query: str) -> str:
         members: list[Member] = self.members.of(kind)
