@@ -336,6 +336,14 @@ def test_trace_and_dlq_escape_control_characters_of_event_fields(
             ),
             {"id": event_id, "reason": f"failed on {SPOOF}", "error": "bad\x1b[31m red"},
         )
+        # sent to no consumer, so `dlq unrouted` lists its aggregate too
+        conn.execute(
+            text(
+                "UPDATE pipeline.outbox SET status = 'sent', consumers = '{}',"
+                " published_at = clock_timestamp() WHERE id = :id"
+            ),
+            {"id": event_id},
+        )
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith("PIPELINE_")},
         "PIPELINE_DATABASE_URL": settings.require_database_url(),
@@ -351,6 +359,7 @@ def test_trace_and_dlq_escape_control_characters_of_event_fields(
         ["trace", str(event_id)],
         ["dlq", "list"],
         ["dlq", "show", dead_letter_id],
+        ["dlq", "unrouted"],
     ):
         result = run_cli(argv, env)
         assert result.returncode == 0, (argv, result.stderr)

@@ -369,7 +369,7 @@ def owed_command(
     if as_json:
         _echo_json(report.as_json())
     else:
-        click.echo("\n".join(render_owed(report, limit)))
+        click.echo(printable_lines(render_owed(report, limit)))
 
 
 @dlq.command("abandon")
@@ -458,7 +458,7 @@ def unrouted_command(
     if as_json:
         _echo_json([event.as_json() for event in events])
     else:
-        click.echo("\n".join(render_unrouted(events, limit)))
+        click.echo(printable_lines(render_unrouted(events, limit)))
 
 
 @dlq.command("resend-unrouted")
@@ -502,4 +502,4 @@ def resend_unrouted_command(
     if as_json:
         _echo_json(report.as_json())
     else:
-        click.echo("\n".join(render_resend(report)))
+        click.echo(printable_lines(render_resend(report)))
