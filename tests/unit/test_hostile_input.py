@@ -194,3 +194,21 @@ def test_unknown_variables_name_the_closest_setting() -> None:
     assert line is not None and "\n" not in line
     assert "PIPELINE_DATABASE_ULR (did you mean PIPELINE_DATABASE_URL?)" in line
     assert unknown_variables_warning({"PIPELINE_BATCH_SIZE": "1"}) is None
+
+
+def test_the_sandbox_report_masks_secrets_in_the_urls_it_would_call() -> None:
+    """A handler's call in a sandbox is shown, never made: its URL's query secrets are masked
+    in the JSON and in the text report alike."""
+    from pipeline.inbox.context import ExternalCall
+    from pipeline.inbox.sandbox import SandboxOutcome
+    from pipeline.tools.ops.dlq.render import render_sandbox
+
+    call = ExternalCall("POST", "https://pay.example/v1/charges?api_key=S3CRET&a=1", "k-1")
+    outcome = SandboxOutcome("payments", uuid.uuid4(), "order.placed", ok=True)
+    outcome.external_calls.append(call)
+    result = outcome.as_json()
+    assert result["external_calls"][0]["url"] == "https://pay.example/v1/charges?api_key=***&a=1"
+    run = {"id": 1, "stage": "consume", "consumer": "payments", "event_type": "order.placed"}
+    text = "\n".join(render_sandbox([{**run, "outcome": "ok", "results": [result]}], 7))
+    assert "would call POST https://pay.example/v1/charges?api_key=***&a=1" in text
+    assert "S3CRET" not in json.dumps(result) + text
