@@ -25,7 +25,7 @@ def relays(env: dict[str, str]) -> list[dict]:
 
 def test_an_idle_relay_stays_alive_and_a_killed_one_is_gone(settings: Settings, engine, tmp_path):
     idle = settings.replace(canary_interval=0, poll_interval_max=10.0)
-    env = pipeline_env(idle, APP)
+    env = pipeline_env(idle, APP, PIPELINE_HEARTBEAT_STALE_SECONDS="5")
     log = tmp_path / "relay.log"
     relay = start_relay(idle, APP, log, "--metrics-port", "0")
     try:
@@ -49,6 +49,22 @@ def test_an_idle_relay_stays_alive_and_a_killed_one_is_gone(settings: Settings, 
         assert [(f["status"], f["summary"]) for f in found] == [
             ("ok", "1 relay(s) alive (0 busy, 1 idle)")
         ]
+        assert run_cli(["status"], env).returncode == 0
+
+        # Paused (a frozen host, a stuck process): its heartbeat stops, it is stale, a problem.
+        relay.send_signal(signal.SIGSTOP)
+        try:
+            wait_until(lambda: relays(env)[0]["state"] == "stale", timeout=30)
+            ran = run_cli(["status"], env)
+            assert ran.returncode == 1
+            assert f"problem: relay {rows[0]['relay_id']} " in ran.stdout, ran.stdout
+            assert "relays (0 alive):" in ran.stdout
+            doctor = run_cli(["doctor", "--json"], env)
+            found = [f for f in json.loads(doctor.stdout)["findings"] if f["check"] == "relays"]
+            assert [f["status"] for f in found] == ["problem"]
+        finally:
+            relay.send_signal(signal.SIGCONT)
+        wait_until(lambda: relays(env)[0]["state"] == "idle", timeout=30, alive=[relay])
 
         relay.send_signal(signal.SIGKILL)
         relay.wait(timeout=10)
