@@ -1,16 +1,17 @@
 """The drill across hosts (``pipeline drill --hosts``): where each process runs, and the
 network faults between them.
 
-Postgres, Redis, every relay, every worker group and the producers (with the payment API
-and the drill's own checks) each run on a host of their own
+Postgres, the broker (Redis, or with ``--transport amqp`` every RabbitMQ node), every
+relay, every worker group and the producers (with the payment API and the drill's own
+checks) each run on a host of their own
 (:class:`~pipeline.tools.harness.hosts.HostNetwork`: network namespaces on one bridge, on
 this machine). The processes then reach the servers at the hosts' addresses, with no
 proxy between them, and the drill cuts links instead:
 
 * ``partition-worker-broker`` / ``-postgres`` / ``-both``: a worker group's host loses
-  Redis, Postgres or both, for a while, silently (packets vanish; nobody is told);
+  the broker, Postgres or both, for a while, silently (packets vanish; nobody is told);
 * ``partition-relay-postgres`` / ``partition-relay-broker``: a relay's host loses
-  Postgres (while it holds claims) or Redis (mid-publish);
+  Postgres (while it holds claims) or the broker (mid-publish);
 * ``zombie-relay``: a relay is paused (``SIGSTOP``) past its lease while its host is cut
   from Postgres; the link heals and then the relay resumes, to find its claims taken over;
 * ``link-degrade``: delay and loss on a worker host's link: ``tc netem`` where the kernel
@@ -42,11 +43,11 @@ PARTITIONS = {
 }
 NETWORK_KINDS = (*PARTITIONS, "zombie-relay", "link-degrade")
 NETWORK_DESCRIPTIONS = {
-    "partition-worker-broker": "a worker group's host cut from Redis (silently) for a while",
+    "partition-worker-broker": "a worker group's host cut from the broker (silently) for a while",
     "partition-worker-postgres": "a worker group's host cut from Postgres for a while",
-    "partition-worker-both": "a worker group's host cut from Redis and Postgres for a while",
+    "partition-worker-both": "a worker group's host cut from the broker and Postgres for a while",
     "partition-relay-postgres": "a relay's host cut from Postgres while it holds claims",
-    "partition-relay-broker": "a relay's host cut from Redis mid-publish",
+    "partition-relay-broker": "a relay's host cut from the broker mid-publish",
     "zombie-relay": "a relay paused past its lease while cut from Postgres; heals, then resumes",
     "link-degrade": "delay 50 ms +- 20 ms and 5 % loss on a worker host's link (tc netem); "
     "without netem, the link both ways through a 128 kbit/s token bucket (tc tbf: queueing "

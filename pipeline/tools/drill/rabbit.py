@@ -2,7 +2,8 @@
 
 The drill starts a throwaway cluster of its own (:class:`RabbitCluster`: one or three
 nodes of Debian's ``rabbitmq-server`` on this machine, with their own names, ports and
-data directories; the machine's own RabbitMQ is never touched) and does to it:
+data directories; the machine's own RabbitMQ is never touched; with ``--hosts`` all on
+the broker host, reached at its address) and does to it:
 
 * ``rabbit-kill-node``: SIGKILL of one node while orders flow, started again a few
   seconds later; the first one hits the leader of the busiest of the drill's queues, so a
@@ -14,7 +15,8 @@ data directories; the machine's own RabbitMQ is never touched) and does to it:
   must be equal, else the fault records a violation). One node then returns, and the
   flow must resume (bounded wait), before the other returns too;
 * ``rabbit-stall``: every worker <-> broker connection stalled through the drill's
-  proxies (nothing closed, nothing answered) for a while.
+  proxies (nothing closed, nothing answered) for a while; not with ``--hosts``, which has
+  no proxies (``partition-worker-broker`` cuts those connections there).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import ServiceUnavailableError
+from pipeline.tools.harness.hosts import Host
 from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 from pipeline.transport.amqp.broker import is_dead_letter_queue, physical_name
 from pipeline.transport.amqp.management import Management
@@ -57,10 +60,11 @@ def rabbit_seconds(kind: str, rng: random.Random) -> float:
 
 
 class OwnedRabbit:
-    """The drill's own RabbitMQ cluster, its data under ``directory`` (kept with the logs)."""
+    """The drill's own RabbitMQ cluster, its data under ``directory`` (kept with the logs),
+    on ``host`` when given."""
 
-    def __init__(self, nodes: int, directory: Path) -> None:
-        self.cluster = RabbitCluster(nodes, base_dir=directory)
+    def __init__(self, nodes: int, directory: Path, host: Host | None = None) -> None:
+        self.cluster = RabbitCluster(nodes, base_dir=directory, host=host)
 
     @property
     def url(self) -> str:

@@ -131,14 +131,14 @@ def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
     Redis and RabbitMQ faults only on the drill's RabbitMQ cluster."""
     given = {"postgres": options.database_url is not None, "redis": options.redis_url is not None}
     amqp = options.transport == "amqp"
-    if amqp and (options.hosts or options.sentinel or given["redis"]):
+    if amqp and (options.sentinel or given["redis"]):
         raise DrillError(
-            "--transport amqp runs the drill's own RabbitMQ cluster on this host: "
-            "drop --hosts/--sentinel/--redis-url"
+            "--transport amqp runs the drill's own RabbitMQ cluster instead of Redis: "
+            "drop --sentinel/--redis-url"
         )
     if options.hosts and (given["postgres"] or given["redis"]):
         raise DrillError(
-            "--hosts puts the drill's own Postgres and Redis on hosts of their own: "
+            "--hosts puts the drill's own Postgres and broker on hosts of their own: "
             "drop --database-url/--redis-url"
         )
 
@@ -162,7 +162,7 @@ def allowed_kinds(options: DrillOptions) -> tuple[str, ...]:
             )
         if kind in HOSTS_ONLY and not options.hosts:
             return "cuts links between hosts: run with --hosts"
-        if kind in PROXY_KINDS and options.hosts:
+        if kind in (*PROXY_KINDS, "rabbit-stall") and options.hosts:
             return "acts through the proxies, which do not run across hosts"
         if kind in SENTINEL_ONLY and not options.sentinel:
             return "needs a Redis watched by Sentinel: run with --sentinel"
@@ -441,6 +441,7 @@ class _Drill:
                 setup["rabbitmq"] = (
                     f"the drill's own cluster of {options.rabbit_nodes} node(s) (throwaway, "
                     "quorum queues; nodes killed, stopped and restarted by the drill)"
+                    + (" on the broker host" if self.hosts else "")
                 )
             elif options.sentinel:
                 from pipeline.tools.harness.sentinel import SentinelSet
@@ -493,9 +494,11 @@ class _Drill:
         from pipeline.errors import BinaryNotFoundError, ServerStartError
         from pipeline.tools.drill.rabbit import OwnedRabbit
 
-        rabbit = OwnedRabbit(self.options.rabbit_nodes, self.work_dir / "rabbitmq")
+        host = self.hosts["broker"] if self.hosts else None
+        rabbit = OwnedRabbit(self.options.rabbit_nodes, self.work_dir / "rabbitmq", host)
         self.cleanup.push("stop the drill's RabbitMQ nodes", rabbit.close)
-        _say(f"starting {self.options.rabbit_nodes} RabbitMQ node(s)")
+        where = f" on the broker host ({host.address})" if host is not None else ""
+        _say(f"starting {self.options.rabbit_nodes} RabbitMQ node(s){where}")
         try:
             rabbit.start()
         except (BinaryNotFoundError, ServerStartError) as exc:
@@ -586,7 +589,7 @@ class _Drill:
         from pipeline.tools.drill.servers import address
 
         if self.hosts is not None:
-            return Proxies(None, None)
+            return Proxies(None, None, "rabbitmq" if servers.rabbit is not None else "redis")
         log = (self.work_dir / "proxies.log").open("ab")
         self.cleanup.push("close the proxies' log", log.close)
         postgres = self._proxy(*address(servers.database_url, 5432), log)
@@ -676,6 +679,7 @@ class _Drill:
         by_kind: dict[Kind, dict[str, str]] = {}
         if servers.rabbit is not None:
             env["PIPELINE_BROKER_MANAGEMENT_URL"] = servers.rabbit.management_url
+        if servers.rabbit is not None and broker_proxies:  # across hosts: none, all direct
             by_kind["worker"] = {
                 "PIPELINE_REDIS_URL": ";".join(
                     through_proxy(url, proxy.port)

@@ -15,6 +15,13 @@ directory, if it made it) should the owner die without cleaning up. The machine'
 RabbitMQ (``rabbit@localhost`` on 5672) is never touched: only the shared ``epmd`` name
 server is used.
 
+With ``host`` (a network namespace of :mod:`~pipeline.tools.harness.hosts`) every node runs
+on that host: started through its command wrapper, listening for AMQP and management on
+the host's address, so that processes on other hosts reach it across the bridge (and a
+partition cuts them off). Distribution stays on the host's own loopback, with an ``epmd``
+of the cluster's own started there (the machine's is in another namespace), and
+``rabbitmqctl`` runs on the host too.
+
 The server scripts are run directly (``/usr/lib/rabbitmq/bin``), not through Debian's
 ``/usr/sbin`` wrappers, which switch to the ``rabbitmq`` account and its fixed paths.
 """
@@ -34,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.errors import BinaryNotFoundError, ServerStartError, ServiceUnavailableError
+from pipeline.tools.harness.hosts import Host
 from pipeline.tools.harness.server import HOST, free_port
 from pipeline.tools.harness.watchdog import Watchdog
 from pipeline.transport.amqp.management import Management
@@ -41,6 +49,8 @@ from pipeline.transport.amqp.management import Management
 SCRIPT_DIRS = (Path("/usr/lib/rabbitmq/bin"), Path("/usr/local/lib/rabbitmq/bin"))
 START_TIMEOUT = 180.0
 POLL_SECONDS = 0.2  # between readiness checks: a TCP connect and an HTTP GET, cheap
+EPMD_PORT = 4369
+EPMD_TIMEOUT = 30.0
 
 
 def find_rabbitmq_bin() -> Path:
@@ -60,6 +70,7 @@ class RabbitNode:
     index: int
     name: str
     directory: Path
+    address: str = HOST  # where clients reach it: 127.0.0.1, or its host's address
     amqp_port: int = 0
     dist_port: int = 0
     management_port: int = 0
@@ -67,11 +78,11 @@ class RabbitNode:
 
     @property
     def url(self) -> str:
-        return f"amqp://guest:guest@{HOST}:{self.amqp_port}/%2F"
+        return f"amqp://guest:guest@{self.address}:{self.amqp_port}/%2F"
 
     @property
     def management_url(self) -> str:
-        return f"http://guest:guest@{HOST}:{self.management_port}"
+        return f"http://guest:guest@{self.address}:{self.management_port}"
 
     @property
     def running(self) -> bool:
@@ -81,8 +92,12 @@ class RabbitNode:
 class RabbitCluster:
     """``size`` RabbitMQ nodes clustered on this machine; ``with`` or :meth:`cleanup` ends them."""
 
-    def __init__(self, size: int = 3, base_dir: Path | None = None) -> None:
+    def __init__(
+        self, size: int = 3, base_dir: Path | None = None, host: Host | None = None
+    ) -> None:
         self.size = size
+        self.host = host
+        self.address = host.address if host is not None else HOST
         self.run = uuid.uuid4().hex[:6]
         self._owns_dir = base_dir is None
         self.directory = (
@@ -91,10 +106,11 @@ class RabbitCluster:
             else Path(tempfile.gettempdir()) / f"pipeline-rabbitmq-{self.run}"
         )
         self.nodes = [
-            RabbitNode(i, f"pl{self.run}-{i}@localhost", self.directory / f"node{i}")
+            RabbitNode(i, f"pl{self.run}-{i}@localhost", self.directory / f"node{i}", self.address)
             for i in range(1, size + 1)
         ]
         self._bin: Path | None = None
+        self._epmd: subprocess.Popen[bytes] | None = None
         self._watchdog = Watchdog()
 
     # -- URLs -------------------------------------------------------------------------------
@@ -124,6 +140,8 @@ class RabbitCluster:
         if not cookie.exists():
             cookie.write_text(f"PIPELINE{uuid.uuid4().hex.upper()}")
             cookie.chmod(0o400)
+        if self.host is not None:
+            self._start_epmd()
         deadline = time.monotonic() + timeout
         first, rest = self.nodes[0], self.nodes[1:]
         # Node 1 first: a node that boots while none it names answers starts on its own.
@@ -134,6 +152,36 @@ class RabbitCluster:
         for node in rest:
             self.await_node(node, deadline)
         self.await_members(deadline)
+
+    def _start_epmd(self) -> None:
+        """The host's own ``epmd`` on its loopback, a child of this object: the nodes would
+        otherwise start a daemon that outlives the cluster in the host's namespace."""
+        assert self.host is not None
+        epmd = shutil.which("epmd") or "epmd"
+        log = (self.directory / "epmd.log").open("ab")
+        self._epmd = subprocess.Popen(
+            self.host.command([epmd, "-address", HOST]),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        self._guard()
+        deadline = time.monotonic() + EPMD_TIMEOUT
+        while not self._epmd_answers():
+            if self._epmd.poll() is not None or time.monotonic() >= deadline:
+                raise ServerStartError(f"epmd on host {self.host.name} did not start")
+            time.sleep(POLL_SECONDS)
+
+    def _epmd_answers(self) -> bool:
+        assert self.host is not None
+        with (
+            self.host.entered(),
+            contextlib.suppress(OSError),
+            socket.create_connection((HOST, EPMD_PORT), timeout=2),
+        ):
+            return True
+        return False
 
     def _spawn_new(self, node: RabbitNode) -> None:
         """Start a node for the first time, on ports picked just before (the sooner a
@@ -149,10 +197,10 @@ class RabbitCluster:
     def _write_config(self, node: RabbitNode) -> None:
         node.directory.mkdir(parents=True, exist_ok=True)
         config = (
-            f"listeners.tcp.1 = {HOST}:{node.amqp_port}\n"
+            f"listeners.tcp.1 = {self.address}:{node.amqp_port}\n"
             "loopback_users = none\n"
             f"management.tcp.port = {node.management_port}\n"
-            f"management.tcp.ip = {HOST}\n"
+            f"management.tcp.ip = {self.address}\n"
             # Stats every second, so that listings (queue depths, members) are fresh.
             "collect_statistics_interval = 1000\n"
         )
@@ -179,7 +227,7 @@ class RabbitCluster:
             HOME=str(self.directory),  # the shared .erlang.cookie
             RABBITMQ_CONF_ENV_FILE=str(directory / "rabbitmq-env.conf"),
             RABBITMQ_NODENAME=node.name,
-            RABBITMQ_NODE_IP_ADDRESS=HOST,
+            RABBITMQ_NODE_IP_ADDRESS=self.address,
             RABBITMQ_NODE_PORT=str(node.amqp_port),
             RABBITMQ_DIST_PORT=str(node.dist_port),
             RABBITMQ_MNESIA_BASE=str(directory / "mnesia"),
@@ -197,7 +245,7 @@ class RabbitCluster:
         assert self._bin is not None
         log = (node.directory / "node.log").open("ab")
         node.process = subprocess.Popen(
-            [str(self._bin / "rabbitmq-server")],
+            self._on_host([str(self._bin / "rabbitmq-server")]),
             env=self._env(node),
             cwd=node.directory,
             stdout=log,
@@ -210,13 +258,15 @@ class RabbitCluster:
     def _guard(self) -> None:
         """Tell the watchdog which nodes run now (and what to delete) should the owner die."""
         pids = [node.process.pid for node in self.nodes if node.running and node.process]
+        if self._epmd is not None and self._epmd.poll() is None:
+            pids.append(self._epmd.pid)
         self._watchdog.guard(kill=pids, remove=[self.directory] if self._owns_dir else [])
 
     def ctl(self, node: RabbitNode, *args: str, timeout: float = 120.0) -> str:
         """``rabbitmqctl -n <node> args...``; raises :class:`ServerStartError` on failure."""
         assert self._bin is not None
         result = subprocess.run(
-            [str(self._bin / "rabbitmqctl"), "-n", node.name, *args],
+            self._on_host([str(self._bin / "rabbitmqctl"), "-n", node.name, *args]),
             env=self._env(node),
             capture_output=True,
             text=True,
@@ -229,6 +279,10 @@ class RabbitCluster:
                 f"{(result.stderr or result.stdout).strip().splitlines()[-1:]}"
             )
         return result.stdout
+
+    def _on_host(self, argv: list[str]) -> list[str]:
+        """``argv`` on the cluster's host (where its epmd and distribution ports are)."""
+        return self.host.command(argv) if self.host is not None else argv
 
     def await_node(self, node: RabbitNode, deadline: float) -> None:
         """Wait until the node serves (see :meth:`serves`), or raise with its log's tail."""
@@ -250,7 +304,7 @@ class RabbitCluster:
         if not node.running:
             return False
         try:
-            with socket.create_connection((HOST, node.amqp_port), timeout=2):
+            with socket.create_connection((node.address, node.amqp_port), timeout=2):
                 pass
         except OSError:
             return False
@@ -319,6 +373,11 @@ class RabbitCluster:
         for node in self.nodes:
             if node.running:
                 self.kill(node.index)
+        if self._epmd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._epmd.pid, signal.SIGKILL)
+            self._epmd.wait(timeout=30)
+            self._epmd = None
         if self._owns_dir:
             shutil.rmtree(self.directory, ignore_errors=True)
         self._watchdog.guard()  # nothing left to undo
