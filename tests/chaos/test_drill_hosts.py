@@ -15,6 +15,7 @@ from tests.chaos.test_drill import (
     assert_orders_flowed_through_every_fault,
     drill,
 )
+from tests.chaos.test_drill_amqp import assert_majority_guarded, require_rabbitmq
 from tests.support import SOAK
 
 pytestmark = pytest.mark.chaos
@@ -70,4 +71,36 @@ def test_across_hosts_a_sentinel_failover_and_a_partition_in_one_drill():
     assert "on the broker host" in report["setup"]["redis"]
     assert report["violations"] == [], render_text(report)
     assert report["api"]["charges"]["total"] == 300
+    assert result.returncode == 0
+
+
+@pytest.mark.soak
+@pytest.mark.skipif(not SOAK, reason="a few minutes; PIPELINE_SOAK=1 runs it")
+@pytest.mark.timeout(900)
+def test_across_hosts_on_rabbitmq_partitions_and_node_faults_in_one_drill():
+    """``--hosts --transport amqp``: three RabbitMQ nodes on the broker host, reached at its
+    address. A worker's and a relay's host are cut from them, one node is killed and two
+    of three are (no majority: nothing may be marked sent), while orders flow."""
+    problem = host_network_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    require_rabbitmq()
+    kinds = (
+        "partition-worker-broker", "partition-relay-broker", "rabbit-kill-node",
+        "rabbit-no-majority",
+    )  # fmt: skip
+    result, report = drill(
+        "--hosts", "--transport", "amqp", "--events", "400", "--rate", "5",
+        "--faults", str(len(kinds)), "--fault-kinds", ",".join(kinds),
+        "--network-seconds", "5", "--seed", "11", "--recovery-timeout", "180",
+    )  # fmt: skip
+
+    assert_every_kind_injected(report, kinds)
+    assert_majority_guarded(report)
+    assert "on the broker host" in report["setup"]["rabbitmq"]
+    assert "each on a host of its own" in report["setup"]["processes"]
+    partitions = [f for f in report["faults"]["timeline"] if f["kind"].startswith("partition")]
+    assert all("cut from broker" in f["detail"] for f in partitions), partitions
+    assert report["violations"] == [], render_text(report)
+    assert report["api"]["charges"]["total"] == 400
     assert result.returncode == 0

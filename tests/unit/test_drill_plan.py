@@ -10,6 +10,7 @@ import pytest
 from pipeline.tools.drill.check import Undelivered, mark_held
 from pipeline.tools.drill.faults import (
     AMQP_KINDS,
+    HOSTS_AMQP_KINDS,
     HOSTS_ONLY,
     KINDS,
     ONE_HOST_KINDS,
@@ -99,14 +100,33 @@ def test_on_rabbitmq_the_redis_kinds_give_way_to_the_rabbitmq_ones():
             "fault kind 'rabbit-no-majority' needs three RabbitMQ nodes (--rabbit-nodes 3)",
         ),
         (
-            DrillOptions(transport="amqp", hosts=True),
-            "--transport amqp runs the drill's own RabbitMQ cluster on this host: "
-            "drop --hosts/--sentinel/--redis-url",
+            DrillOptions(transport="amqp", sentinel=True),
+            "--transport amqp runs the drill's own RabbitMQ cluster instead of Redis: "
+            "drop --sentinel/--redis-url",
         ),
     ):
         with pytest.raises(DrillError) as refused:
             allowed_kinds(options)
         assert str(refused.value) == refusal
+
+
+def test_across_hosts_on_rabbitmq_the_network_and_node_kinds_apply_but_no_stall():
+    both = allowed_kinds(DrillOptions(transport="amqp", hosts=True))
+    assert both == HOSTS_AMQP_KINDS
+    assert set(both) >= HOSTS_ONLY
+    assert {k for k in both if k.startswith("rabbit-")} == {
+        "rabbit-kill-node", "rabbit-restart-node", "rabbit-no-majority"
+    }  # fmt: skip
+    assert not any(k.startswith(("redis-", "sentinel-", "proxy-")) for k in both)
+    single = allowed_kinds(DrillOptions(transport="amqp", hosts=True, rabbit_nodes=1))
+    assert set(both) - set(single) == {"rabbit-no-majority"}
+    chosen = ("partition-relay-broker", "rabbit-kill-node")
+    assert allowed_kinds(DrillOptions(transport="amqp", hosts=True, fault_kinds=chosen)) == chosen
+    with pytest.raises(DrillError) as refused:
+        allowed_kinds(DrillOptions(transport="amqp", hosts=True, fault_kinds=("rabbit-stall",)))
+    assert str(refused.value) == (
+        "fault kind 'rabbit-stall' acts through the proxies, which do not run across hosts"
+    )
 
 
 def test_rabbitmq_faults_last_as_planned_and_proxy_faults_name_the_broker():

@@ -27,7 +27,7 @@ FAULT_KINDS_HELP = (
     "link-degrade (the proxy kinds then do not apply); with --sentinel sentinel-kill-master "
     "and sentinel-failover instead of the redis-* kinds; with --transport amqp "
     "rabbit-kill-node, rabbit-restart-node, rabbit-no-majority (three nodes) and rabbit-stall "
-    "instead of the redis-* kinds."
+    "(not with --hosts: it works through the proxies) instead of the redis-* kinds."
 )
 
 
@@ -76,8 +76,9 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
 @click.option(
     "--hosts",
     is_flag=True,
-    help="Run Postgres, Redis, each relay, each worker group and the producer on hosts of "
-    "their own (network namespaces on this machine; needs root) and cut links between them.",
+    help="Run Postgres, the broker (Redis, or every RabbitMQ node), each relay, each worker "
+    "group and the producer on hosts of their own (network namespaces on this machine; needs "
+    "root) and cut links between them.",
 )
 @seconds_option(
     "--network-seconds",
@@ -97,7 +98,8 @@ def _kinds(ctx: click.Context, param: click.Parameter, value: str | None) -> tup
     default="redis",
     show_default=True,
     help="The broker: the drill's own Redis, or (amqp) its own RabbitMQ cluster of "
-    "--rabbit-nodes nodes (Debian's rabbitmq-server on this machine; quorum queues).",
+    "--rabbit-nodes nodes (Debian's rabbitmq-server on this machine, or on the broker host "
+    "with --hosts; quorum queues).",
 )
 @click.option(
     "--rabbit-nodes",

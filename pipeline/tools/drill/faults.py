@@ -106,6 +106,13 @@ SENTINEL_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in REDIS_ALON
 """What a drill on a Redis watched by Sentinel may inject."""
 AMQP_KINDS = tuple(kind for kind in ONE_HOST_KINDS if kind not in REDIS_ALONE) + RABBIT_KINDS
 """What a drill on its own RabbitMQ cluster may inject (``--transport amqp``)."""
+HOSTS_AMQP_KINDS = tuple(
+    kind
+    for kind in KINDS
+    if kind not in REDIS_ALONE | SENTINEL_ONLY | set(PROXY_KINDS) and kind != "rabbit-stall"
+)
+"""What a drill across hosts on its own RabbitMQ cluster may inject: the network kinds and
+the RabbitMQ ones, except ``rabbit-stall``, which works through the proxies."""
 FIND_CONNECTIONS_SECONDS = 5.0
 FLOW_BACK_SECONDS = 60.0
 """Longest a Sentinel fault waits to see the relays mark an event sent on the new master
