@@ -41,14 +41,17 @@ SOAK = os.environ.get("PIPELINE_SOAK") == "1"
 
 
 @contextmanager
-def rabbitmq_nodes(size: int) -> Iterator[RabbitCluster]:
-    """``size`` RabbitMQ nodes started for a test (Debian's rabbitmq-server), removed after;
-    the test skips in one line where rabbitmq-server is not installed."""
+def rabbitmq_nodes(
+    size: int, *, config: str = "", advanced_config: str = ""
+) -> Iterator[RabbitCluster]:
+    """``size`` RabbitMQ nodes started for a test (Debian's rabbitmq-server), removed after,
+    with ``config`` and ``advanced_config`` as :class:`RabbitCluster` takes them; the test
+    skips in one line where rabbitmq-server is not installed."""
     import pytest
 
     from pipeline.errors import BinaryNotFoundError
 
-    value = RabbitCluster(size)
+    value = RabbitCluster(size, config=config, advanced_config=advanced_config)
     try:
         value.start()
     except BinaryNotFoundError as exc:

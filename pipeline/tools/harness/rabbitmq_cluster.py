@@ -93,11 +93,24 @@ class RabbitCluster:
     """``size`` RabbitMQ nodes clustered on this machine; ``with`` or :meth:`cleanup` ends them."""
 
     def __init__(
-        self, size: int = 3, base_dir: Path | None = None, host: Host | None = None
+        self,
+        size: int = 3,
+        base_dir: Path | None = None,
+        host: Host | None = None,
+        *,
+        config: str = "",
+        advanced_config: str = "",
     ) -> None:
+        """``host``: the nodes run on that host (its address, its command wrapper) instead
+        of this machine's loopback. ``config`` is added to every node's ``rabbitmq.conf``
+        (lines such as ``consumer_timeout = 5000``); ``advanced_config``, if given, is every
+        node's ``advanced.config`` (Erlang terms, for settings ``rabbitmq.conf`` has no key
+        for, such as ``[{rabbit, [{channel_tick_interval, 1000}]}].``)."""
         self.size = size
         self.host = host
         self.address = host.address if host is not None else HOST
+        self.config = config
+        self.advanced_config = advanced_config
         self.run = uuid.uuid4().hex[:6]
         self._owns_dir = base_dir is None
         self.directory = (
@@ -212,7 +225,11 @@ class RabbitCluster:
                 f"cluster_formation.classic_config.nodes.1 = {self.nodes[0].name}\n"
                 f"cluster_formation.classic_config.nodes.2 = {node.name}\n"
             )
+        if self.config:
+            config += self.config.strip() + "\n"
         (node.directory / "rabbitmq.conf").write_text(config)
+        if self.advanced_config:
+            (node.directory / "advanced.config").write_text(self.advanced_config.strip() + "\n")
         (node.directory / "enabled_plugins").write_text("[rabbitmq_management].\n")
         (node.directory / "rabbitmq-env.conf").write_text("")
 
@@ -234,6 +251,7 @@ class RabbitCluster:
             RABBITMQ_LOG_BASE=str(directory / "log"),
             RABBITMQ_LOGS="-",
             RABBITMQ_CONFIG_FILE=str(directory / "rabbitmq.conf"),
+            RABBITMQ_ADVANCED_CONFIG_FILE=str(directory / "advanced.config"),
             RABBITMQ_ENABLED_PLUGINS_FILE=str(directory / "enabled_plugins"),
             RABBITMQ_PID_FILE=str(directory / "pid"),
             ERL_EPMD_ADDRESS=HOST,
