@@ -208,7 +208,8 @@ class Settings(BaseSettings):
     # host on port 15672 with the broker URL's credentials.
     broker_management_url: SecretStr | None = None
     # RabbitMQ only: the server's consumer_timeout (a delivery held unacknowledged longer is
-    # given back and its channel closed); `pipeline doctor` compares it with handler limits.
+    # given back and its channel closed); workers hold a delayed message at most half of it,
+    # and `pipeline doctor` compares it with handler limits.
     broker_consumer_timeout_ms: PositiveInt = 1_800_000
     broker_prefetch_max: PositiveInt = 1000  # RabbitMQ only: prefetch bound per consumer
     broker_confirm_timeout: PositiveFloat = 30.0  # RabbitMQ only: seconds to wait for confirms

@@ -435,6 +435,18 @@ def test_the_private_rabbitmq_classes_still_have_what_the_subclass_uses():
     assert worker.index("self.broker.enqueue(") < worker.index("self.post_process_message(")
 
 
+def test_a_consumer_thread_still_holds_delayed_messages_where_the_consumer_forgets_them():
+    """After RabbitMQ closed a consumer's channel, the consumer (iterated by its
+    ``ConsumerThread``) replaces that thread's ``delay_queue``, as Dramatiq's own run loop
+    does on a connection error, and ``handle_delayed_messages`` reads it afresh."""
+    thread = dramatiq.worker.ConsumerThread
+    assert "self.delay_queue: PriorityQueue" in inspect.getsource(thread.__init__)
+    run = inspect.getsource(thread.run)
+    assert "for message in self.consumer:" in run  # __next__ runs on the consumer thread
+    assert "self.delay_queue = PriorityQueue()" in run
+    assert "iter_queue(self.delay_queue)" in inspect.getsource(thread.handle_delayed_messages)
+
+
 def test_pikas_blocking_channel_still_has_the_channel_the_publisher_confirms_on():
     """The publisher confirms a batch in one round on the blocking channel's ``_impl``."""
     import pika.adapters.blocking_connection as blocking

@@ -11,6 +11,9 @@ told, and names queues exactly as the actors do. ``PipelineRabbitmqBroker`` chan
   keep the actors' queue names, so Dramatiq's workers see ordinary messages;
 * every publish waits for the broker's confirm (``confirm_delivery``), persistent;
 * a consumer's prefetch is bounded (``PIPELINE_BROKER_PREFETCH_MAX``);
+* a delayed message is held unacknowledged at most half the server's ``consumer_timeout``
+  (``PIPELINE_BROKER_CONSUMER_TIMEOUT_MS``): one due later goes back to the delay queue
+  until it is due within that (see :class:`PipelineRabbitmqConsumer`);
 * a message no Dramatiq client could decode (or a foreign one) goes to
   :attr:`PipelineRabbitmqBroker.undecodable_sink` and is then acknowledged (removed);
   if the sink fails it is rejected, and RabbitMQ dead-letters it to ``<queue>.XQ``.
@@ -24,9 +27,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
+from collections import deque
 from functools import partial
-from typing import Any
+from queue import PriorityQueue
+from typing import Any, NamedTuple
 
 import pika
 import pika.exceptions
@@ -40,6 +46,7 @@ from dramatiq.brokers.rabbitmq import (
 from dramatiq.common import current_millis, dq_name, q_name, xq_name
 from dramatiq.errors import ConnectionClosed
 from dramatiq.message import Message
+from dramatiq.worker import ConsumerThread
 
 from pipeline.config import Settings
 from pipeline.transport.base import UndecodableSink, worker_middleware
@@ -84,6 +91,27 @@ An idle return costs a loop in this process, not a round trip, so it stays short
 ``worker_timeout`` is."""
 
 
+CONSUMER_TIMEOUT_REPLY = "delivery acknowledgement on channel"
+"""How RabbitMQ's reply text begins when it closed a channel (406 PRECONDITION_FAILED)
+because one of its deliveries stayed unacknowledged past ``consumer_timeout``."""
+
+
+class Parked(NamedTuple):
+    """A delayed message due after the consumer may hold it: held until ``release``
+    (monotonic seconds), then published to the delay queue again and acknowledged."""
+
+    release: float
+    tag: int
+    message: Message[Any]
+
+
+def is_consumer_timeout(exc: BaseException) -> bool:
+    """Whether RabbitMQ closed the channel over a delivery held past ``consumer_timeout``."""
+    return getattr(exc, "reply_code", None) == 406 and CONSUMER_TIMEOUT_REPLY in str(
+        getattr(exc, "reply_text", "")
+    )
+
+
 def _log_undecodable(queue_name: str, data: bytes, reason: str) -> None:
     log.error("dropped undecodable message", extra={"queue": queue_name, "reason": reason})
 
@@ -123,6 +151,16 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
     again; their acknowledgements are skipped (each delivery is known by its connection's
     generation and its tag, so a tag reused by the new channel is never acknowledged by
     mistake). Undecodable messages go to the sink, then are acknowledged.
+
+    RabbitMQ closes a channel whose delivery stays unacknowledged past its
+    ``consumer_timeout``, and Dramatiq holds a delayed message unacknowledged until due. So
+    a delayed message due later than the broker's ``hold_limit_ms`` from its delivery is
+    not handed to Dramatiq: this consumer holds it ``hold_limit_ms``, publishes it to the
+    delay queue again (its eta unchanged, confirmed) and acknowledges it, until it is due
+    within the limit. Should the channel close anyway (a server's ``consumer_timeout``
+    below ``PIPELINE_BROKER_CONSUMER_TIMEOUT_MS``), the consumer thread's held delayed
+    messages are forgotten, as Dramatiq does on a connection error: RabbitMQ gives them
+    back, and holding the stale copies too would run each once per closed channel.
     """
 
     def __init__(self, broker: Any, queue_name: str, prefetch: int, timeout: int) -> None:
@@ -138,6 +176,8 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
         self.connection: Any = None
         self.channel: Any = None
         self.iterator: Any = None
+        self.hold_limit_ms: int | None = getattr(broker, "hold_limit_ms", None)
+        self.parked: deque[Parked] = deque()
 
     def _connect(self) -> None:
         self.broker.declare_queue(self.logical_queue, ensure=True)
@@ -160,6 +200,7 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
         connection = self.connection
         self.connection = self.channel = self.iterator = None
         self.known_tags = set()
+        self.parked.clear()
         if connection is not None and connection.is_open:
             with contextlib.suppress(Exception):
                 connection.close()
@@ -179,6 +220,7 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
                 return None
             outage.succeeded()
         try:
+            self._release_parked()
             method, _properties, body = next(self.iterator)
         except (
             AssertionError,
@@ -188,8 +230,17 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
         ) as exc:
             if getattr(exc, "reply_code", None) == 404:
                 self.broker.queues_pending.add(q_name(self.logical_queue))
-            outage.failed(exc)
+            if is_consumer_timeout(exc):
+                log.warning(
+                    "RabbitMQ closed a channel holding a delivery past its consumer_timeout "
+                    "(set PIPELINE_BROKER_CONSUMER_TIMEOUT_MS to the server's); its "
+                    "unacknowledged messages are delivered again",
+                    extra={"queue": self.logical_queue, "error_class": type(exc).__name__},
+                )
+            else:
+                outage.failed(exc)
             self._drop()
+            self._forget_held_delays()
             return None
         if method is None:
             return None
@@ -198,10 +249,49 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
         except Exception as exc:
             self._dead_letter_undecodable(method.delivery_tag, body, f"undecodable message: {exc}")
             return None
+        if self._park(method.delivery_tag, message):
+            return None
         key = (self.generation, method.delivery_tag)
         proxy = _RabbitmqMessage(method.redelivered, key, message)  # type: ignore[no-untyped-call]
         self.known_tags.add(key)
         return proxy
+
+    def _park(self, tag: int, message: Message[Any]) -> bool:
+        """Keep a delayed message due after the hold limit from Dramatiq (see the class)."""
+        eta = message.options.get("eta")
+        if self.hold_limit_ms is None or not isinstance(eta, (int, float)):
+            return False
+        if eta - current_millis() <= self.hold_limit_ms:
+            return False
+        self.parked.append(Parked(time.monotonic() + self.hold_limit_ms / 1000, tag, message))
+        return True
+
+    def _release_parked(self) -> None:
+        """Publish each parked message whose hold is up to the delay queue again (confirmed),
+        then acknowledge its delivery. Deliveries arrive in order, so the parked are in
+        order of release. A publish that fails leaves the delivery unacknowledged:
+        RabbitMQ gives it back when the channel closes."""
+        now = time.monotonic()
+        while self.parked and self.parked[0].release <= now:
+            parked = self.parked.popleft()
+            try:
+                self.broker.republish_delayed(parked.message)
+            except ConnectionClosed as exc:
+                log.warning(
+                    "could not hold a delayed message on the delay queue; RabbitMQ delivers "
+                    "it again",
+                    extra={"queue": self.logical_queue, "error_class": type(exc).__name__},
+                )
+                continue
+            self.channel.basic_ack(parked.tag)
+
+    def _forget_held_delays(self) -> None:
+        """Empty the calling consumer thread's held delayed messages: their deliveries died
+        with the connection and RabbitMQ gives them back (Dramatiq does the same when its
+        own consumer raises a connection error)."""
+        thread = threading.current_thread()
+        if isinstance(thread, ConsumerThread):
+            thread.delay_queue = PriorityQueue()
 
     def ack(self, message: Any) -> None:
         self._settle(message, acked=True)
@@ -262,12 +352,14 @@ class PipelineRabbitmqBroker(RabbitmqBroker):
         namespace: str,
         prefetch_max: int = 1000,
         outage_backoff_max: float = 10.0,
+        hold_limit_ms: int | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(confirm_delivery=True, max_priority=None, **kwargs)
         self.logger.addFilter(QUIET_CLOSE_FAILURES)  # once: the logger is Dramatiq's, shared
         self.namespace = namespace
         self.prefetch_max = prefetch_max
+        self.hold_limit_ms = hold_limit_ms
         self.outage = BrokerOutage("RabbitMQ", cap=outage_backoff_max)
 
     @property
@@ -317,11 +409,30 @@ class PipelineRabbitmqBroker(RabbitmqBroker):
         if delay is not None:
             queue_name = dq_name(queue_name)
             message = message.copy(queue_name=queue_name, options={"eta": current_millis() + delay})
+        self._publish(canonical, queue_name, message, delay, emit=True)
+        return message
+
+    def republish_delayed(self, message: Message[Any]) -> None:
+        """Publish a message taken from a delay queue to it again, unchanged (its eta too),
+        waiting for the confirm; no enqueue hooks run (it is the same message, held on)."""
+        canonical = q_name(message.queue_name)
+        self._publish(canonical, dq_name(canonical), message, None, emit=False)
+
+    def _publish(
+        self,
+        canonical: str,
+        queue_name: str,
+        message: Message[Any],
+        delay: int | None,
+        *,
+        emit: bool,
+    ) -> None:
         attempts = 0
         while True:
             try:
                 self.declare_queue(canonical, ensure=True)
-                self.emit_before("enqueue", message, delay)
+                if emit:
+                    self.emit_before("enqueue", message, delay)
                 self.channel.basic_publish(
                     exchange="",
                     routing_key=self.physical(queue_name),
@@ -329,8 +440,9 @@ class PipelineRabbitmqBroker(RabbitmqBroker):
                     properties=pika.BasicProperties(delivery_mode=2, message_id=message.message_id),
                     mandatory=True,
                 )
-                self.emit_after("enqueue", message, delay)
-                return message
+                if emit:
+                    self.emit_after("enqueue", message, delay)
+                return
             except (
                 pika.exceptions.AMQPConnectionError,
                 pika.exceptions.AMQPChannelError,
@@ -366,7 +478,9 @@ def make_broker(
     The middleware stack is the Redis broker's (see
     :func:`pipeline.transport.redis.broker.make_broker` for why Retries is there).
     ``timeout`` bounds connecting and each blocked call (pika's ``socket_timeout`` and
-    ``blocked_connection_timeout``); None leaves pika's defaults.
+    ``blocked_connection_timeout``); None leaves pika's defaults. Consumers hold a delayed
+    message at most half ``PIPELINE_BROKER_CONSUMER_TIMEOUT_MS``: RabbitMQ checks the
+    timeout only on its channel tick, so the margin keeps well clear of it.
     """
     stack = middleware if middleware is not None else worker_middleware()
     parameters = connection_parameters(settings.require_broker_url(), timeout)
@@ -374,6 +488,7 @@ def make_broker(
         namespace=settings.redis_namespace,
         prefetch_max=settings.broker_prefetch_max,
         outage_backoff_max=settings.reconnect_backoff_max,
+        hold_limit_ms=settings.broker_consumer_timeout_ms // 2,
         middleware=stack,
         parameters=parameters,
     )
