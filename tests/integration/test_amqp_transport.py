@@ -474,7 +474,7 @@ def test_doctor_names_classic_queues_and_a_short_consumer_timeout(amqp_settings)
     assert classic in found["rabbitmq_queues"].summary
     assert "t.quorum" not in found["rabbitmq_queues"].summary
     assert found["rabbitmq_consumer_timeout"].status == "problem"
-    assert "60000 ms" in found["rabbitmq_consumer_timeout"].summary  # the longest retry delay
+    assert "30000 ms" in found["rabbitmq_consumer_timeout"].summary  # the relay's lease
     assert found["rabbitmq_cluster"].status == "ok"
     assert not report.healthy
 

@@ -72,7 +72,6 @@ from pipeline.db.stores.heartbeats import HeartbeatStore, Kind, ProcessInfo
 from pipeline.db.tables import metadata
 from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.errors import ServiceUnavailableError
-from pipeline.inbox.actors import INFRASTRUCTURE_MAX_BACKOFF_MS
 from pipeline.policy import (
     ConsumerPolicy,
     consumer_with_longest_horizon,
@@ -477,18 +476,15 @@ DRAMATIQ_TIME_LIMIT_MS = 600_000  # Dramatiq's TimeLimit for an actor that sets 
 
 
 def longest_hold_ms(settings: Settings, consumers: Sequence[ConsumerPolicy]) -> int:
-    """The longest a worker may hold one message unacknowledged: a handler's time limit
-    (Dramatiq's ten minutes where none is declared), a retry's delay, the publishing actor's
-    lease."""
-    holds = [
-        INFRASTRUCTURE_MAX_BACKOFF_MS,
-        int(settings.lease_seconds * 1000),
-        int(settings.consumer_backoff_max * 1000),
-    ]
+    """The longest a worker may hold one message unacknowledged while running it: a
+    handler's time limit (Dramatiq's ten minutes where none is declared), the publishing
+    actor's lease. Delays (a retry's backoff) are not counted: the RabbitMQ consumer holds
+    a delayed message at most half the ``consumer_timeout`` it is told, and puts one due
+    later back on the delay queue."""
+    holds = [int(settings.lease_seconds * 1000)]
     for policy in consumers:
         limit = policy.time_limit
         holds.append(DRAMATIQ_TIME_LIMIT_MS if limit is None else int(limit * 1000))
-        holds.append(int(policy.max_backoff * 1000))
     return max(holds)
 
 

@@ -6,9 +6,9 @@
   each classic one: it is not replicated and its node's loss loses its messages);
 * **rabbitmq_consumer_timeout**: the server's ``consumer_timeout`` (as
   ``PIPELINE_BROKER_CONSUMER_TIMEOUT_MS`` states it) must exceed the longest a worker holds
-  a message unacknowledged (the longest handler time limit, and the longest delay, which
-  Dramatiq holds on the delay queue until due); past it RabbitMQ closes the channel and
-  delivers the message again;
+  a message unacknowledged while running it (the longest handler time limit); past it
+  RabbitMQ closes the channel and delivers the message again. Delayed messages are held at
+  most half the timeout (see :mod:`.broker`), so delays of any length pass;
 * **rabbitmq_cluster**: the cluster's members running; a problem when a majority is not.
 
 The queue and cluster checks need the management API; without it they say so (info).
@@ -93,7 +93,8 @@ def _check_consumer_timeout(
             "problem",
             f"consumer_timeout {timeout} ms (PIPELINE_BROKER_CONSUMER_TIMEOUT_MS) is not above "
             f"the longest a worker holds a message ({longest_hold_ms} ms: a handler's time "
-            "limit or a retry's delay): RabbitMQ would close the channel and deliver it again",
+            "limit or the relay's lease): RabbitMQ would close the channel and deliver it "
+            "again",
             f"raise consumer_timeout in rabbitmq.conf above {longest_hold_ms} ms and set "
             "PIPELINE_BROKER_CONSUMER_TIMEOUT_MS to it, or lower the handlers' time limits",
         )
