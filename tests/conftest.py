@@ -61,6 +61,7 @@ LONGEST_FIRST = (
     "chaos/test_stuck_workers.py",  # 52
     "chaos/test_drill_amqp.py",  # 47
     "chaos/test_drill_hosts.py",  # 46
+    "integration/test_amqp_consumer_timeout.py",  # 40: two 8 s retries on a node of its own
     "integration/test_demo.py",  # 37
     "chaos/test_outages.py",  # 36
     "integration/test_dlq.py",  # 32
