@@ -22,6 +22,13 @@ time), the cases interleaved over ``--rounds``:
   single-row INSERTs of ~1 KiB payloads in one transaction (rows/s), the same rows by
   ``INSERT … SELECT`` and an ``UPDATE`` of their status (server time per row: a CHECK is
   evaluated on every update of the row, the trigger only when the payload changes).
+* ``authenticity``: what it costs a worker to know a message is authentic, per message:
+  verifying the envelope's HMAC (``EnvelopeSigner.verify`` on a signed ~1 KiB envelope,
+  what ships) against one SELECT in an open transaction, as the inbox would run it
+  (``exec_driver_sql`` on the session's connection), that the event is in the outbox with
+  the same payload (``payload = $2::jsonb``, or the SHA-256 of both payloads' jsonb text),
+  the id found by the primary key among ``--outbox-rows`` rows. Wall and client CPU per
+  message, and the server backend's CPU (``/proc/<pid>/schedstat``).
 
 Without ``--database-url`` it starts a throwaway durable Postgres (``spans`` needs none).
 """
@@ -39,6 +46,7 @@ import time
 import timeit
 import uuid
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +60,9 @@ from benchmarks import harness
 from pipeline.config import Settings
 from pipeline.db.migrate import upgrade
 from pipeline.db.queries import queries_for
+from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.outbox import BacklogGate
+from pipeline.signing import EnvelopeSigner, canonical_json, event_source
 
 SPAN_MODES = ("off", "none", "otlp", "sampled")
 TABLE = "bench_dependency_costs"
@@ -469,11 +479,168 @@ def payload_check(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
     }
 
 
+# -- authenticity -------------------------------------------------------------------------
+
+AUTH_CONSUMER = "billing"
+AUTH_KEY = "bench-message-key-0123456789abcdef"
+# The alternative to a signature: the event is in the outbox with the same payload.
+AUTH_LOOKUPS = {
+    "lookup_jsonb_equal": "SELECT 1 FROM {outbox} WHERE id = %(id)s AND payload = %(data)s::jsonb",
+    "lookup_sha256": (
+        "SELECT 1 FROM {outbox} WHERE id = %(id)s AND sha256(convert_to(payload::text, 'UTF8'))"
+        " = sha256(convert_to(%(data)s::jsonb::text, 'UTF8'))"
+    ),
+}
+
+
+def backend_cpu_ns(pid: int) -> int:
+    """CPU nanoseconds a (local) server backend has run: the first field of its schedstat."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
+def auth_envelopes(signer: EnvelopeSigner, count: int) -> tuple[list[OutboxEvent], list[Any]]:
+    """``count`` order events and their envelopes as a worker holds them: signed by the
+    relay's code for one consumer, then parsed."""
+    events = [
+        OutboxEvent(
+            uuid.uuid4(),
+            n + 1,
+            "order",
+            f"order-{n}",
+            f"order-{n}",
+            "order.placed",
+            1,
+            json.dumps(bench_payload(n), separators=(",", ":")),
+            '{"correlation_id": "c-1"}',
+            0,
+            datetime.now(UTC),
+        )
+        for n in range(count)
+    ]
+    texts = {event.id: encode_envelope(event, signer.deployment) for event in events}
+    signed = signer.sign_texts(events, AUTH_CONSUMER, texts, {})
+    return events, [json.loads(text) for text in signed]
+
+
+def auth_outbox(url: str, schema: str, events: Sequence[OutboxEvent], rows: int) -> None:
+    """The outbox with ``events`` sent, among filler rows up to ``rows`` in all."""
+    outbox = f'"{schema}".outbox'
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {outbox}")
+        with conn.cursor() as cursor:
+            cursor.executemany(
+                f"INSERT INTO {outbox} (id, aggregate_type, aggregate_id, ordering_key, "
+                "event_type, payload, status, published_at) "
+                "VALUES (%s, %s, %s, %s, %s, %s::jsonb, 'sent', now())",
+                [
+                    (
+                        e.id,
+                        e.aggregate_type,
+                        e.aggregate_id,
+                        e.ordering_key,
+                        e.event_type,
+                        e.payload_json,
+                    )
+                    for e in events
+                ],
+            )
+        conn.execute(
+            f"INSERT INTO {outbox} (id, event_type, payload, status, published_at) "
+            "SELECT gen_random_uuid(), 'bench.filler', jsonb_build_object('n', g), 'sent', now() "
+            "FROM generate_series(1, %s) g",
+            (max(rows - len(events), 0),),
+        )
+        conn.execute(f"VACUUM ANALYZE {outbox}")
+
+
+def authenticity(args: argparse.Namespace, url: str | None) -> dict[str, Any]:
+    assert url is not None
+    schema = migrated_schema(args, url)
+    settings = Settings(message_key=SecretStr(AUTH_KEY), schema_name=schema)
+    signer = EnvelopeSigner.from_settings(settings, event_source(settings))
+    events, envelopes = auth_envelopes(signer, args.messages)
+    auth_outbox(url, schema, events, args.outbox_rows)
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://", 1))
+    connection = engine.connect()
+    transaction = connection.begin()  # the inbox's transaction, open for every case
+    backend = connection.exec_driver_sql("SELECT pg_backend_pid()").scalar_one()
+    outbox = f'"{schema}".outbox'
+
+    def verify(batch: Sequence[Any]) -> int:
+        return sum(signer.verify(envelope, AUTH_CONSUMER) is None for envelope in batch)
+
+    def lookup(statement: str) -> Callable[[Sequence[Any]], int]:
+        def run(batch: Sequence[Any]) -> int:
+            found = 0
+            for envelope in batch:
+                params = {"id": envelope["id"], "data": canonical_json(envelope["data"]).decode()}
+                found += connection.exec_driver_sql(statement, params).first() is not None
+            return found
+
+        return run
+
+    cases: dict[str, Callable[[Sequence[Any]], int]] = {"hmac_verify": verify}
+    for name, statement in AUTH_LOOKUPS.items():
+        cases[name] = lookup(statement.format(outbox=outbox))
+    tampered = [
+        {**envelope, "data": {**envelope["data"], "currency": "USD"}} for envelope in envelopes[:50]
+    ]
+    refused = {name: len(tampered) - case(tampered) for name, case in cases.items()}
+    for case in cases.values():
+        case(envelopes[:500])  # warm-up: prepared statements, caches
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in cases}
+    for round_index in range(args.rounds):
+        for name in harness.rotated(list(cases), round_index):
+            server, cpu, wall = backend_cpu_ns(backend), time.process_time(), time.perf_counter()
+            found = cases[name](envelopes)
+            wall = time.perf_counter() - wall
+            cpu = time.process_time() - cpu
+            server = backend_cpu_ns(backend) - server
+            assert found == len(envelopes), f"{name}: {found} of {len(envelopes)} authentic"
+            n = len(envelopes)
+            runs[name].append(
+                {
+                    "wall_us": round(wall / n * 1e6, 2),
+                    "client_cpu_us": round(cpu / n * 1e6, 2),
+                    "server_cpu_us": round(server / n / 1e3, 2),
+                }
+            )
+    transaction.rollback()
+    connection.close()
+    engine.dispose()
+    median = {
+        name: {key: statistics.median(run[key] for run in results) for key in results[0]}
+        for name, results in runs.items()
+    }
+    for name, values in median.items():
+        print(f"  {name:20} {values}")
+    return {
+        "unit": "microseconds per message: wall, client process CPU, server backend CPU "
+        "(median of the interleaved rounds)",
+        "messages_per_round": args.messages,
+        "outbox_rows": args.outbox_rows,
+        "payload_bytes": len(events[0].payload_json),
+        "envelope_bytes": len(json.dumps(envelopes[0], separators=(",", ":"))),
+        "index": "outbox primary key (id); the payload compared on the one row found",
+        "statements": AUTH_LOOKUPS,
+        "transaction": "one open transaction (SQLAlchemy Core connection, exec_driver_sql, "
+        "psycopg 3 preparing repeated statements), as the inbox runs its queries; BEGIN and "
+        "COMMIT are the inbox's anyway and not counted",
+        "tampered_refused_of_50": refused,
+        "retention": "the relay's janitor and `pipeline prune` delete sent outbox rows after "
+        "PIPELINE_SENT_RETENTION_SECONDS (7 days by default): a retry or a replay of the "
+        "message after that finds no row, so a lookup would refuse it; the HMAC needs no row",
+        "median": median,
+        "runs": runs,
+    }
+
+
 STRATEGIES = {
     "spans": spans,
     "drivers": drivers,
     "backlog_gate": backlog_gate,
     "payload_check": payload_check,
+    "authenticity": authenticity,
 }
 
 
@@ -486,6 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--unsent", default="10000,100000", help="backlog_gate: events waiting")
     parser.add_argument("--limits", default="10000,1000000", help="backlog_gate: limits")
     parser.add_argument("--rows", type=int, default=5000, help="payload_check: rows per run")
+    parser.add_argument("--messages", type=int, default=5000, help="authenticity: per round")
+    parser.add_argument("--outbox-rows", type=int, default=200_000, help="authenticity: rows")
     parser.add_argument("--database-url")
     parser.add_argument("--output", type=Path, default=harness.RESULTS / "micro.json")
     parser.add_argument("--span-child", choices=SPAN_MODES, help=argparse.SUPPRESS)
