@@ -3,7 +3,7 @@
 Settings are read when a process asks for them (:func:`get_settings`), never at
 import time, so tests and embedding applications can pass their own
 :class:`Settings`. Secrets (passwords in URLs) never appear in error messages or
-``repr``: use :func:`redact_url` whenever a URL is shown.
+``repr``: use :func:`redact_url` (from :mod:`pipeline.redaction`) whenever a URL is shown.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from functools import lru_cache
 from typing import Annotated, Any, Literal, Self
-from urllib.parse import parse_qsl, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from pydantic import (
     Field,
@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from pipeline.errors import ConfigurationError
+from pipeline.redaction import redact_secrets
 
 ENV_PREFIX = "PIPELINE_"
 _IDENTIFIER = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -69,69 +70,6 @@ def validate_identifier(value: str, what: str = "identifier") -> str:
             "not starting with a digit"
         )
     return value
-
-
-# A query parameter whose name says it holds a secret: password=, sslpassword= (libpq
-# reads both), api_key=, access_token=, client_secret=, signature=, auth= and the like.
-_QUERY_SECRET = re.compile(
-    r"((?:^|[&;])[^=&;]*(?:pass|pwd|secret|token|key|auth|sig|credential|session)[^=&;]*=)"
-    r"[^&;]*",
-    re.IGNORECASE,
-)
-
-
-def redact_url(url: str) -> str:
-    """Return ``url`` with any password replaced by ``***`` (safe to log).
-
-    Both places a URL can carry one are covered: ``user:password@`` and query
-    parameters named for a secret (``password=``, ``sslpassword=``, ``api_key=``,
-    ``token=``, ``secret=``, ``signature=`` and the like).
-    """
-    try:
-        parts = urlsplit(url)
-        password = parts.password
-    except ValueError:
-        return "<unparseable url>"
-    if password is not None:
-        netloc = parts.netloc.rsplit("@", 1)[1]
-        parts = parts._replace(netloc=f"{parts.username or ''}:***@{netloc}")
-    if parts.query:
-        parts = parts._replace(query=_QUERY_SECRET.sub(r"\1***", parts.query))
-    return urlunsplit(parts)
-
-
-def url_secrets(url: str) -> list[str]:
-    """The passwords ``url`` carries, as written and percent-decoded (longest first)."""
-    found: set[str] = set()
-    userinfo = url.split("://", 1)[-1].split("/", 1)[0].rpartition("@")[0]
-    if ":" in userinfo:
-        found.add(userinfo.split(":", 1)[1])
-    query = url.partition("?")[2]
-    for match in _QUERY_SECRET.finditer(query):
-        found.add(match.group(0).split("=", 1)[1])
-    found |= {unquote(secret) for secret in found}
-    return sorted((secret for secret in found if secret), key=len, reverse=True)
-
-
-def redact_secrets(text: str, *urls: str) -> str:
-    """``text`` with every password of ``urls`` replaced by ``***``.
-
-    The last guard before a driver's message is shown: libpq and redis-py may quote the
-    URL they were given when it does not parse.
-    """
-    for url in urls:
-        text = text.replace(url, redact_url(url))
-        for secret in url_secrets(url):
-            text = mask_secret(text, secret)
-    return text
-
-
-def mask_secret(text: str, secret: str) -> str:
-    """``text`` with ``secret`` replaced by ``***`` wherever it stands alone: a password
-    ``p`` must not turn ``port`` into ``***ort``."""
-    before = r"(?<!\w)" if secret[:1].isalnum() or secret[:1] == "_" else ""
-    after = r"(?!\w)" if secret[-1:].isalnum() or secret[-1:] == "_" else ""
-    return re.sub(before + re.escape(secret) + after, "***", text) if secret else text
 
 
 class Settings(BaseSettings):

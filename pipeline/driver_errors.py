@@ -33,7 +33,7 @@ from contextlib import contextmanager
 
 import psycopg
 
-from pipeline.config import Settings, mask_secret, redact_secrets, redact_url
+from pipeline.config import Settings
 from pipeline.errors import (
     ConfigurationError,
     MigrationError,
@@ -41,6 +41,7 @@ from pipeline.errors import (
     PipelineError,
     ServiceUnavailableError,
 )
+from pipeline.redaction import mask_secret, redact_secrets, redact_url
 
 SCHEMA_MISSING = (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName)
 

@@ -30,6 +30,8 @@ server errors), so either import path works.
 
 from __future__ import annotations
 
+from pipeline.redaction import redact_text
+
 
 class PipelineError(Exception):
     """Base class: the message is safe to show to an operator (no payloads, no secrets)."""
@@ -103,5 +105,7 @@ MAX_ERROR_LENGTH = 2000
 
 
 def error_text(exc: BaseException) -> str:
-    """How a failure is stored (attempts, dead letters): class and message, bounded in size."""
-    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LENGTH]
+    """How a failure is stored (attempts, dead letters): class and message, bounded in size,
+    with the secrets of any URL it quotes masked (an HTTP client's error names the URL it
+    called, ``?api_key=`` and all): whoever reads dead letters need not hold the secrets."""
+    return redact_text(f"{type(exc).__name__}: {exc}")[:MAX_ERROR_LENGTH]

@@ -22,12 +22,12 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
-from pipeline.config import redact_url
 from pipeline.envelope import OutboxEvent, decode_envelope, encode_envelope
 from pipeline.errors import ConfigurationError, error_text
 from pipeline.inbox.consumer import ConsumerDefinition
 from pipeline.inbox.context import ExternalCall, HandlerContext, SandboxLog
 from pipeline.inbox.upcasting import Upcasters, upcasters
+from pipeline.redaction import redact_url
 from pipeline.registry import Subscription
 
 

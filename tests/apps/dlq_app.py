@@ -4,7 +4,9 @@
 for it says ``broken``: the tests dead-letter such orders, then "deploy a fix" by clearing
 the switch, then replay. Orders marked ``declined`` fail permanently with a second cause
 (``CardDeclined``, whose message varies per order as real messages do: numbers, a
-quoted value, a UUID), fix or no fix. ``audit`` takes the same events and never fails; ``shipping``
+quoted value, a UUID), fix or no fix; orders marked ``unauthorized`` fail the same way with
+an HTTP client's error that quotes the URL it called, secrets and all (:data:`CHARGE_URL`).
+``audit`` takes the same events and never fails; ``shipping``
 takes the follow-up events ``payments`` publishes. Tables are created by the tests
 (tests/integration/test_dlq.py).
 """
@@ -22,6 +24,8 @@ from pipeline.inbox import HandlerContext, consumer
 from pipeline.inbox.http import idempotent_post
 
 PAYMENT_API = os.environ.get("TEST_PAYMENT_API", "")
+# A URL carrying a password and an API key, as a handler's HTTP client would quote it.
+CHARGE_URL = "https://charger:hunter2-pw@api.example/v1/charge?order=o7&api_key=sk-live-4f9a2c"
 _http = httpx.Client(timeout=10)
 
 
@@ -61,6 +65,8 @@ def payments(event: ReceivedEvent, ctx: HandlerContext) -> None:
         response.raise_for_status()
     if event.data.get("poison") and broken(ctx):
         raise Poison(f"cannot charge order {event.data['order_id']}")
+    if event.data.get("unauthorized"):
+        raise CardDeclined(f"Client error '401 Unauthorized' for url '{CHARGE_URL}'")
     if event.data.get("declined"):
         raise CardDeclined(
             f"card {event.data['declined']} declined for order '{event.data['order_id']}' "

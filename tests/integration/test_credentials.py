@@ -20,7 +20,8 @@ import redis
 from opentelemetry.sdk.trace import ReadableSpan
 
 from pipeline import NewEvent, Settings, configure
-from pipeline.config import load_settings, redact_secrets, redact_url
+from pipeline.config import load_settings
+from pipeline.redaction import redact_secrets, redact_url
 from pipeline.registry import Registry
 from pipeline.relay.canary import emit_canary
 from pipeline.runtime import build_runtime

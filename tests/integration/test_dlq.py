@@ -29,6 +29,7 @@ from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
 from pipeline.tools.harness.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
+from tests.apps import dlq_app
 from tests.support import (
     QUICK_FAULTS,
     Counted,
@@ -1017,3 +1018,85 @@ def test_fingerprints_normalise_the_variable_parts_of_a_message(engine, dlq_sett
     assert [d["error"] for d in members] == [e for _, _, _, e in letters[:4]]
     scoped = dlq_json(dlq_settings, "groups", "--error-class", "KeyError", "--limit", "1")
     assert [g["count"] for g in scoped] == [2]
+
+
+SECRETS = ("hunter2-pw", "sk-live-4f9a2c")
+MASKED_URL = "https://charger:***@api.example/v1/charge?order=o7&api_key=***"
+
+
+def assert_masked(output: str) -> None:
+    """No secret of the charge URL in ``output``; the URL itself, masked, is there."""
+    for secret in SECRETS:
+        assert secret not in output, output
+    assert MASKED_URL in output, output
+
+
+def test_errors_quoting_a_url_are_shown_without_its_secrets(engine, dlq_settings):
+    """A dead letter (and its attempt) stored with the raw URL, as any writer of the table
+    may have stored it: list, groups and show mask it, in text and JSON."""
+    (event_id,) = produce(engine, [NewEvent("order.placed", {"order_id": "u1"})])
+    raw = f"HTTPStatusError: Client error '401 Unauthorized' for url '{dlq_app.CHARGE_URL}'"
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO pipeline.attempts (event_id, stage, consumer, attempt, error_class,"
+                " error) VALUES (:e, 'consume', 'payments', 1, 'HTTPStatusError', :r)"
+            ),
+            {"e": event_id, "r": raw},
+        )
+        letter_id = conn.execute(
+            text(
+                "INSERT INTO pipeline.dead_letters (stage, event_id, consumer, event_type, queue,"
+                " reason, error_class, error, attempts) VALUES ('consume', :e, 'payments',"
+                " 'order.placed', 'pipeline.payments', 'gave up after 1 attempt',"
+                " 'HTTPStatusError', :r, 1) RETURNING id"
+            ),
+            {"e": event_id, "r": raw},
+        ).scalar()
+    shown = dlq(dlq_settings, "show", str(letter_id))
+    assert shown.returncode == 0, shown.stderr
+    assert_masked(shown.stdout)
+    assert shown.stdout.count("401 Unauthorized") == 2  # the error and its attempt
+    detail = dlq_json(dlq_settings, "show", str(letter_id))
+    assert detail["error"] == raw.replace(dlq_app.CHARGE_URL, MASKED_URL)
+    assert [a["error"] for a in detail["history"]] == [detail["error"]]
+    (listed,) = dlq_json(dlq_settings, "list")
+    assert listed["error"] == detail["error"]
+    (group,) = dlq_json(dlq_settings, "groups")
+    assert_masked(group["sample_error"])
+    for secret in SECRETS:
+        assert secret not in group["message"], group["message"]
+    for command in ("list", "groups"):
+        result = dlq(dlq_settings, command)
+        assert result.returncode == 0, result.stderr
+        for secret in SECRETS:
+            assert secret not in result.stdout, result.stdout
+    assert MASKED_URL in dlq(dlq_settings, "groups").stdout  # the sample line
+
+
+def test_a_handler_error_quoting_a_url_is_stored_and_sandboxed_without_its_secrets(
+    engine, dlq_settings
+):
+    """The worker stores the handler's error masked; the sandbox reports it masked."""
+    with running_pipeline(dlq_settings, APP, threads=1):
+        produce(engine, [NewEvent("order.placed", {"order_id": "u2", "unauthorized": True})])
+        wait_until(
+            lambda: rows(engine, "SELECT count(*) FROM pipeline.dead_letters")[0][0] == 1,
+            timeout=60,
+        )
+    stored = rows(engine, "SELECT error FROM pipeline.dead_letters")
+    stored += rows(engine, "SELECT error FROM pipeline.attempts")
+    assert stored and all(MASKED_URL in error for (error,) in stored), stored
+    assert all(secret not in str(stored) for secret in SECRETS), stored
+
+    report = dlq(dlq_settings, "replay", "--to-sandbox", "--reason", "check", "--json")
+    assert report.returncode == 1, report.stderr  # the handler still fails
+    (run,) = json.loads(report.stdout)["runs"]
+    (outcome,) = run["results"]
+    assert outcome["error_class"] == "CardDeclined"
+    assert (
+        outcome["error"] == f"CardDeclined: Client error '401 Unauthorized' for url '{MASKED_URL}'"
+    )
+    text_report = dlq(dlq_settings, "replay", "--to-sandbox", "--reason", "check")
+    assert text_report.returncode == 1, text_report.stderr
+    assert_masked(text_report.stdout)

@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from pipeline.config import Settings, load_settings, redact_url
+from pipeline.config import Settings, load_settings
 from pipeline.errors import ConfigurationError
+from pipeline.redaction import redact_url
 from pipeline.tools.cli import cli
 from tests.support import cli_argv
 

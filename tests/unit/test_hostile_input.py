@@ -9,15 +9,13 @@ import pytest
 
 from pipeline.config import (
     Settings,
-    mask_secret,
-    redact_secrets,
-    redact_url,
     unknown_variables,
     unknown_variables_warning,
 )
 from pipeline.errors import ConfigurationError, EventValidationError
 from pipeline.inbox.consumer import consumer
 from pipeline.outbox import NewEvent, prepare_rows, stored_size
+from pipeline.redaction import mask_secret, redact_secrets, redact_url
 from pipeline.registry import Registry
 from pipeline.tools.ops.text import printable, printable_lines
 

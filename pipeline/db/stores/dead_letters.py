@@ -4,6 +4,10 @@ A publish-stage dead letter is an event the relay gave up on (its outbox row is
 ``dead``); a consume-stage one is a (consumer, event) pair a handler gave up on, or an
 unprocessable message, which may name no event or carry several. Writers of dead
 letters are the relay's settlement (:mod:`.outbox`) and the inbox (:mod:`.inbox`).
+
+Error texts are read with the secrets of any URL they quote masked
+(:func:`~pipeline.redaction.redact_text`): writers mask them too, but a row may come from
+an older writer or from anyone who can insert one, and every reader here prints them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import psycopg
 
 from pipeline.db.queries import queries_for
 from pipeline.envelope import OutboxEvent
+from pipeline.redaction import redact_text
 
 
 @dataclass
@@ -110,7 +115,10 @@ def _letter(columns: Sequence[Any], **state: Any) -> DeadLetter:
         "replayed_at",
         "replay_count",
     )
-    return DeadLetter(**dict(zip(names, columns, strict=True)), **state)
+    values = dict(zip(names, columns, strict=True))
+    values["reason"] = redact_text(values["reason"])
+    values["error"] = redact_text(values["error"])
+    return DeadLetter(**values, **state)
 
 
 @dataclass
@@ -212,13 +220,13 @@ class DeadLetterStore:
                 consumer=row[2],
                 event_type=row[3],
                 error_class=row[4],
-                message=row[5],
+                message=redact_text(row[5]),
                 count=int(row[6]),
                 waiting=int(row[7]),
                 first_seen=row[8],
                 last_seen=row[9],
                 sample_id=int(row[10]),
-                sample_error=row[11],
+                sample_error=redact_text(row[11]),
                 ids=None if row[12] is None else [int(i) for i in row[12]],
             )
             for row in rows
@@ -243,7 +251,7 @@ class DeadLetterStore:
             self._queries["dlq_history"],
             {"event_id": letter.event_id, "stage": letter.stage, "consumer": letter.consumer},
         ).fetchall()
-        return [FailedAttempt(*row) for row in rows]
+        return [FailedAttempt(row[0], row[1], redact_text(row[2]), row[3]) for row in rows]
 
     def events(
         self, conn: psycopg.Connection[Any], event_ids: Sequence[uuid.UUID]

@@ -19,9 +19,10 @@ import psycopg
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 
-from pipeline.config import Settings, load_settings, redact_url
+from pipeline.config import Settings, load_settings
 from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError, EmbeddedServerError
+from pipeline.redaction import redact_url
 from pipeline.tools.demo.sql import DemoQueries
 from pipeline.tools.demo.workload import SKUS, STOCK_PER_SKU
 from pipeline.tools.harness.cleanup import Cleanup

@@ -38,9 +38,10 @@ from types import FrameType
 import click
 from sqlalchemy import Engine
 
-from pipeline.config import configure, redact_url
+from pipeline.config import configure
 from pipeline.driver_errors import driver_reason
 from pipeline.errors import DemoError
+from pipeline.redaction import redact_url
 from pipeline.tools.demo.layout import APP_MODULE, Layout, plan_layout, prepare_database
 from pipeline.tools.demo.outcomes import duplicates_reader, fetch_ledger
 from pipeline.tools.demo.processes import STOP_GRACE_SECONDS, died, start_pipeline

@@ -43,8 +43,9 @@ import httpx
 import psycopg
 from sqlalchemy.exc import DBAPIError
 
-from pipeline.config import Settings, configure, libpq_url, load_settings, redact_url
+from pipeline.config import Settings, configure, libpq_url, load_settings
 from pipeline.errors import PipelineError
+from pipeline.redaction import redact_url
 from pipeline.tools.drill.check import check_run
 from pipeline.tools.drill.faults import (
     HOSTS_ONLY,

@@ -21,8 +21,9 @@ import time
 import pika
 import pika.exceptions
 
-from pipeline.config import Settings, redact_url
+from pipeline.config import Settings
 from pipeline.errors import ServiceUnavailableError
+from pipeline.redaction import redact_url
 from pipeline.transport.amqp.broker import connect
 from pipeline.transport.amqp.management import Management
 from pipeline.transport.base import BrokerDiagnosis

@@ -15,8 +15,9 @@ import urllib.request
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
-from pipeline.config import Settings, redact_url
+from pipeline.config import Settings
 from pipeline.errors import ServiceUnavailableError
+from pipeline.redaction import redact_url
 
 DEFAULT_PORTS = {"amqp": 15672, "amqps": 15671}
 

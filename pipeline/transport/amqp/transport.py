@@ -11,8 +11,9 @@ import pika.exceptions
 from dramatiq.common import dq_name, xq_name
 from dramatiq.errors import ConnectionClosed
 
-from pipeline.config import Settings, redact_secrets, redact_url
+from pipeline.config import Settings
 from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
+from pipeline.redaction import redact_secrets, redact_url
 from pipeline.signing import EnvelopeSigner
 from pipeline.transport.amqp.broker import (
     PipelineRabbitmqBroker,

@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 import redis
 
-from pipeline.config import Settings, redact_url
+from pipeline.config import Settings
 from pipeline.policy import redelivery_horizon
+from pipeline.redaction import redact_url
 from pipeline.transport.base import BrokerDiagnosis
 from pipeline.transport.redis.client import is_sentinel_url, parse_sentinel_url, redis_client
 

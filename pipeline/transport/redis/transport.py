@@ -8,9 +8,10 @@ from typing import Any, TypeVar
 
 import redis
 
-from pipeline.config import Settings, redact_secrets, redact_url
+from pipeline.config import Settings
 from pipeline.driver_errors import translate
 from pipeline.errors import PublisherUnavailable, ServiceUnavailableError
+from pipeline.redaction import redact_secrets, redact_url
 from pipeline.signing import EnvelopeSigner
 from pipeline.transport.base import (
     BrokerDiagnosis,
