@@ -24,7 +24,7 @@ from typing import Any
 
 import dramatiq
 import redis
-from sqlalchemy import Engine
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.orm import Session
 
 from pipeline import NewEvent, Settings, add_events, configure
@@ -83,6 +83,18 @@ QUICK_FAULTS: dict[str, Any] = {
 }
 """Settings under which a dead relay or worker shows within seconds (short lease, quick
 polls, short heartbeats) and Redis maintenance never runs in the middle of a test."""
+
+
+@contextmanager
+def engine_with_tables(settings: Settings, tables: str, pool_size: int = 5) -> Iterator[Engine]:
+    """An engine on ``settings``' database with the test's ``tables`` created; disposed after."""
+    value = create_engine(settings.sqlalchemy_url(), pool_size=pool_size)
+    with value.begin() as conn:
+        conn.exec_driver_sql(tables)
+    try:
+        yield value
+    finally:
+        value.dispose()
 
 
 @contextmanager

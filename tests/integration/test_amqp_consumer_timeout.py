@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import Engine, create_engine, text
+from sqlalchemy import Engine, text
 
 from pipeline import NewEvent, Settings, configure
 from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
@@ -25,7 +25,14 @@ from pipeline.transport.base import QueueDepth
 from tests.apps.long_backoff_app import RETRY_BACKOFF
 from tests.chaos.orders import TABLES
 from tests.conftest import RUN_ID
-from tests.support import process_metric, produce, rabbitmq_nodes, running_pipeline, wait_until
+from tests.support import (
+    engine_with_tables,
+    process_metric,
+    produce,
+    rabbitmq_nodes,
+    running_pipeline,
+    wait_until,
+)
 
 APP = "tests.apps.long_backoff_app"
 CONSUMER_TIMEOUT_MS = 5000
@@ -64,13 +71,8 @@ def timeout_settings(database_url: str, short_timeout_node: RabbitCluster) -> It
 
 @pytest.fixture
 def engine(timeout_settings: Settings) -> Iterator[Engine]:
-    value = create_engine(timeout_settings.sqlalchemy_url(), pool_size=2)
-    with value.begin() as conn:
-        conn.exec_driver_sql(TABLES)
-    try:
+    with engine_with_tables(timeout_settings, TABLES, pool_size=2) as value:
         yield value
-    finally:
-        value.dispose()
 
 
 def scalar(engine: Engine, sql: str) -> object:

@@ -39,6 +39,7 @@ from tests.integration.test_inbox import TABLES
 from tests.integration.test_queue_garbage import dead_letters
 from tests.support import (
     app_registry,
+    engine_with_tables,
     pipeline_env,
     produce,
     queue_messages,
@@ -55,13 +56,8 @@ APP = "tests.apps.inbox_app"
 
 @pytest.fixture
 def amqp_engine(amqp_settings: Settings) -> Iterator[Engine]:
-    value = create_engine(amqp_settings.sqlalchemy_url(), pool_size=5)
-    with value.begin() as conn:
-        conn.exec_driver_sql(TABLES)
-    try:
+    with engine_with_tables(amqp_settings, TABLES) as value:
         yield value
-    finally:
-        value.dispose()
 
 
 @pytest.fixture
