@@ -29,10 +29,12 @@ SELECT claimed.attempts, set_config('lock_timeout', wait.usual, true)
 FROM wait LEFT JOIN claimed ON true;
 
 -- name: inbox_claim_many
--- inbox_claim for all the events of a message at once (unordered consumers): one row per
--- claimed event with its attempt number, or a single row of NULLs when none was claimed
--- (all already processed or dead-lettered); the same bounded wait as inbox_claim. Keys are
--- locked in event-id order, so two copies of a message cannot deadlock.
+-- inbox_claim for all the events of a message at once (unordered consumers): one row, the
+-- claimed events' ids and attempt numbers as two arrays in the same order (one NULL each
+-- when none was claimed: all already processed or dead-lettered); the same bounded wait as
+-- inbox_claim for every event. The aggregate consumes every inserted row before its
+-- set_config puts the usual lock_timeout back (a row-by-row select would restore it after
+-- the first claim). Keys are locked in event-id order, so two copies cannot deadlock.
 WITH wait AS MATERIALIZED (
     SELECT current_setting('lock_timeout') AS usual,
            set_config('lock_timeout', CASE
@@ -53,8 +55,10 @@ WITH wait AS MATERIALIZED (
     WHERE i.status IN ('pending', 'failed')
     RETURNING event_id, attempts
 )
-SELECT claimed.event_id, claimed.attempts, set_config('lock_timeout', wait.usual, true)
-FROM wait LEFT JOIN claimed ON true;
+SELECT array_agg(claimed.event_id), array_agg(claimed.attempts),
+       set_config('lock_timeout', wait.usual, true)
+FROM wait LEFT JOIN claimed ON true
+GROUP BY wait.usual;
 
 -- name: inbox_fail
 -- Record a failed attempt (after rolling back the handler's savepoint); returns the attempt.

@@ -456,9 +456,13 @@ def test_a_batch_without_failures_claims_once_and_uses_no_savepoint(engine, inbo
     assert logged == [("duplicate", 2)]
 
 
-@pytest.mark.parametrize("events", [1, 3], ids=["one-event", "batch"])
+@pytest.mark.parametrize(
+    ("events", "held"),
+    [(1, 1), (3, 1), (3, 3)],
+    ids=["one-event", "batch-first-held", "batch-last-held"],
+)
 def test_a_claim_held_by_another_open_transaction_gives_the_message_back(
-    engine, inbox_settings, events
+    engine, inbox_settings, events, held
 ):
     """A stuck worker's open claim must not hold another worker's thread for the whole
     lock timeout (here 60 s): the claim waits briefly, then fails as an outage (Dramatiq
@@ -484,8 +488,8 @@ def test_a_claim_held_by_another_open_transaction_gives_the_message_back(
             " status, attempts, processed_at) VALUES ('claimer', :id, 'step', NULL, NULL,"
             " 'processed', 1, now())"
         ),
-        {"id": uuid.UUID(int=1)},
-    )  # open: the claim of a worker that stopped mid-handler
+        {"id": uuid.UUID(int=held)},
+    )  # open: the claim of a worker that stopped mid-handler (the last one locked too)
     release = threading.Timer(3.0, holder.commit)
     release.start()
     try:
@@ -502,7 +506,7 @@ def test_a_claim_held_by_another_open_transaction_gives_the_message_back(
     # duplicate; and after a claim the transaction's lock waits are the usual ones.
     outcome = processor.handle([step_envelope(n) for n in range(1, events + 1)])
     assert (outcome.processed, outcome.duplicates) == (events - 1, 1)
-    assert handled == list(range(2, events + 1))
+    assert handled == [n for n in range(1, events + 1) if n != held]
     with patient_engine.connect() as conn, conn.begin():
         assert processor.store.claim_many(conn, "claimer", [_received(99), _received(98)])
         assert processor.store.claim(conn, "claimer", _received(97)) == 1

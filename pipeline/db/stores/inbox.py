@@ -103,7 +103,7 @@ class InboxStore:
             (event,) = events
             attempt = self.claim(connection, consumer, event)
             return {} if attempt is None else {event.id: attempt}
-        rows = connection.exec_driver_sql(
+        event_ids, attempts, _ = connection.exec_driver_sql(
             self._claim_many,
             {
                 "consumer": consumer,
@@ -113,8 +113,12 @@ class InboxStore:
                 "seqs": [event.seq for event in events],
                 "claim_wait_ms": CLAIM_LOCK_WAIT_MS,
             },
-        ).all()
-        return {row[0]: int(row[1]) for row in rows if row[0] is not None}
+        ).one()
+        return {
+            event_id: int(attempt)
+            for event_id, attempt in zip(event_ids, attempts, strict=True)
+            if event_id is not None
+        }
 
     def log_duplicates(
         self, connection: Connection, consumer: str, event_ids: Sequence[uuid.UUID]
