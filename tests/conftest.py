@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -111,6 +112,19 @@ def registry_left_as_found() -> Iterator[None]:
     """No test's consumers outlive it in the process-wide registry (tests share a process)."""
     with global_registry_kept():
         yield
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """No test app may be imported while tests are collected: its consumers would sit in
+    the process-wide registry for the whole run, before any test could put it back as it
+    found it (:func:`registry_left_as_found`), and refuse or shadow another app's consumer
+    of the same name in whichever later test shares the process."""
+    imported = sorted(name for name in sys.modules if name.startswith("tests.apps."))
+    if imported:
+        raise pytest.UsageError(
+            f"test apps imported at collection: {', '.join(imported)}; import them inside "
+            "the tests that use them (or name them in PIPELINE_APP_MODULES)"
+        )
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -119,7 +119,7 @@ def test_network_faults_need_hosts_and_proxy_faults_refuse_them():
         ),
         (
             ["--hosts", "--redis-url", "redis://127.0.0.1:1/0"],
-            "--hosts puts the drill's own Postgres and Redis on hosts of their own: "
+            "--hosts puts the drill's own Postgres and broker on hosts of their own: "
             "drop --database-url/--redis-url",
         ),
     ):

@@ -22,7 +22,6 @@ from pipeline import NewEvent, Settings, configure
 from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 from pipeline.transport.amqp.transport import AmqpTransport
 from pipeline.transport.base import QueueDepth
-from tests.apps.long_backoff_app import RETRY_BACKOFF
 from tests.chaos.orders import TABLES
 from tests.conftest import RUN_ID
 from tests.support import (
@@ -98,6 +97,8 @@ def test_a_retry_delayed_past_consumer_timeout_runs_once(
     never holds the retry long enough for RabbitMQ to close its channel. Declared too high,
     RabbitMQ closes the channel (once or twice over the backoff): each closure is one
     warning line, the worker consumes again and the retry still runs once."""
+    from tests.apps.long_backoff_app import RETRY_BACKOFF  # not at collection: conftest.py
+
     settings = timeout_settings.replace(broker_consumer_timeout_ms=declared_ms)
     configure(settings)
     caplog.set_level(logging.INFO)

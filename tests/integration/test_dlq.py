@@ -29,7 +29,6 @@ from pipeline.relay.drain import Drainer
 from pipeline.runtime import build_runtime
 from pipeline.tools.harness.payment_api import PaymentServer
 from pipeline.transport.publisher import Delivery
-from tests.apps import dlq_app
 from tests.support import (
     QUICK_FAULTS,
     Counted,
@@ -1034,6 +1033,8 @@ def assert_masked(output: str) -> None:
 def test_errors_quoting_a_url_are_shown_without_its_secrets(engine, dlq_settings):
     """A dead letter (and its attempt) stored with the raw URL, as any writer of the table
     may have stored it: list, groups and show mask it, in text and JSON."""
+    from tests.apps import dlq_app  # here, not at collection: see tests/conftest.py
+
     (event_id,) = produce(engine, [NewEvent("order.placed", {"order_id": "u1"})])
     raw = f"HTTPStatusError: Client error '401 Unauthorized' for url '{dlq_app.CHARGE_URL}'"
     with engine.begin() as conn:
