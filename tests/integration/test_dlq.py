@@ -1032,7 +1032,7 @@ def assert_masked(output: str) -> None:
 
 def test_errors_quoting_a_url_are_shown_without_its_secrets(engine, dlq_settings):
     """A dead letter (and its attempt) stored with the raw URL, as any writer of the table
-    may have stored it: list, groups and show mask it, in text and JSON."""
+    may have stored it: list, groups, show and trace mask it, in text and JSON."""
     from tests.apps import dlq_app  # here, not at collection: see tests/conftest.py
 
     (event_id,) = produce(engine, [NewEvent("order.placed", {"order_id": "u1"})])
@@ -1073,6 +1073,18 @@ def test_errors_quoting_a_url_are_shown_without_its_secrets(engine, dlq_settings
         for secret in SECRETS:
             assert secret not in result.stdout, result.stdout
     assert MASKED_URL in dlq(dlq_settings, "groups").stdout  # the sample line
+    # pipeline trace reads the same rows (its attempts, its dead letter's error class)
+    with engine.begin() as conn:
+        conn.execute(
+            text("UPDATE pipeline.outbox SET last_error = :r WHERE id = :e"),
+            {"e": event_id, "r": raw},
+        )
+    for args in (["trace", str(event_id)], ["trace", str(event_id), "--json"]):
+        traced = run_cli(args, pipeline_env(dlq_settings, APP))
+        assert traced.returncode == 0, traced.stderr
+        for secret in SECRETS:
+            assert secret not in traced.stdout, traced.stdout
+    assert MASKED_URL in traced.stdout  # the JSON shows the attempt's error, masked
 
 
 def test_a_handler_error_quoting_a_url_is_stored_and_sandboxed_without_its_secrets(

@@ -1,5 +1,8 @@
 """One event's record across the tables, for ``pipeline trace``: its outbox row, failed
-attempts, each consumer's inbox record, dead letters and follow-up events."""
+attempts, each consumer's inbox record, dead letters and follow-up events.
+
+Error texts are read through :func:`~pipeline.redaction.redact_text`, as the dead-letter
+store reads them: writers mask them too, but a row may predate that or come from elsewhere."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any, NamedTuple
 import psycopg
 
 from pipeline.db.queries import queries_for
+from pipeline.redaction import redact_text
 
 
 class EventRow(NamedTuple):
@@ -49,6 +53,9 @@ class AttemptRow:
     error: str
     at: datetime
 
+    def __post_init__(self) -> None:
+        self.error = redact_text(self.error)
+
 
 @dataclass
 class InboxRow:
@@ -71,6 +78,9 @@ class DeadLetterRow:
     error_class: str
     at: datetime
 
+    def __post_init__(self) -> None:
+        self.reason = redact_text(self.reason)
+
 
 class LineageStore:
     """The lineage reads for one schema."""
@@ -84,7 +94,10 @@ class LineageStore:
 
     def event(self, conn: psycopg.Connection[Any], event_id: uuid.UUID) -> EventRow | None:
         rows = self._rows(conn, "lineage_event", event_id)
-        return EventRow(*rows[0]) if rows else None
+        if not rows:
+            return None
+        row = EventRow(*rows[0])
+        return row._replace(last_error=redact_text(row.last_error)) if row.last_error else row
 
     def attempts(self, conn: psycopg.Connection[Any], event_id: uuid.UUID) -> list[AttemptRow]:
         return [AttemptRow(*r) for r in self._rows(conn, "lineage_attempts", event_id)]
