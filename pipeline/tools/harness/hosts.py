@@ -56,8 +56,15 @@ NAME_PATTERN = re.compile(r"^[a-z][a-z0-9]{0,7}$")
 _OWNED = re.compile(r"^pl(\d+)-")
 _QDISC_STATS = re.compile(r"dropped (\d+), overlimits (\d+)")
 _NFT_DROPS = re.compile(r"counter packets (\d+) bytes \d+ drop")
-LOSS_TABLE = "pl_loss"  # the nftables table (netdev family) of :meth:`HostNetwork.lose`
+
 NOWHERE = "02:00:5e:ff:ff:fe"  # a locally administered address no interface here has
+
+
+def loss_table(name: str) -> str:
+    """The nftables table (netdev family) of :meth:`HostNetwork.lose` for host ``name``
+    (:data:`NAME_PATTERN`): one per host, so that the bridge's namespace, which holds every
+    host's far end, never mixes two hosts' rules or counts."""
+    return f"pl_loss_{name}"
 
 
 class HostNetworkUnavailable(PipelineError):
@@ -298,7 +305,7 @@ class HostNetwork:
         try:
             for netns, device in self._ends(name):
                 script = (
-                    f"table netdev {LOSS_TABLE} {{\n"
+                    f"table netdev {loss_table(name)} {{\n"
                     f"  chain ingress {{\n"
                     f'    type filter hook ingress device "{device}" priority 0; policy accept;\n'
                     f"    numgen random mod 10000 < {below} counter drop\n"
@@ -314,7 +321,8 @@ class HostNetwork:
         """Packets :meth:`lose` has dropped so far on ``name``'s link, both ways summed."""
         dropped = 0
         for netns, _ in self._ends(name):
-            argv = ["ip", "netns", "exec", netns, "nft", "list", "table", "netdev", LOSS_TABLE]
+            table = loss_table(name)
+            argv = ["ip", "netns", "exec", netns, "nft", "list", "table", "netdev", table]
             with contextlib.suppress(HostNetworkUnavailable):  # no loss on that end
                 dropped += sum(int(m.group(1)) for m in _NFT_DROPS.finditer(_run(argv)))
         return dropped
@@ -329,7 +337,7 @@ class HostNetwork:
             for netns, _ in self._ends(name):
                 argv = ["ip", "netns", "exec", netns, "nft", "delete", "table", "netdev"]
                 with contextlib.suppress(HostNetworkUnavailable):  # nothing to remove
-                    _run([*argv, LOSS_TABLE])
+                    _run([*argv, loss_table(name)])
 
     def shaped(self, name: str) -> tuple[int, int]:
         """Packets dropped, and times a packet found the bucket empty (``overlimits``), so far
