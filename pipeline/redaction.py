@@ -2,7 +2,7 @@
 
 The bottom layer, importing nothing of the pipeline: :func:`pipeline.errors.error_text`
 masks every handler and relay error with it before the text is stored or shown, and the
-settings (:mod:`pipeline.config`, which re-exports these) mask their own URLs with it.
+settings (:mod:`pipeline.config`) and the driver errors mask their own URLs with it.
 
 A URL carries a secret in two places: ``user:password@`` and query parameters named for
 one (``password=``, ``sslpassword=``, ``api_key=``, ``token=``, ``secret=``,
