@@ -37,6 +37,7 @@ from sqlalchemy import Engine
 from pipeline.backoff import backoff_ceiling
 from pipeline.config import Settings
 from pipeline.db.connect import make_engine
+from pipeline.db.stores.inbox import ClaimHeld
 from pipeline.driver_errors import driver_reason, is_outage
 from pipeline.inbox.consumer import definitions
 from pipeline.inbox.processor import (
@@ -99,6 +100,13 @@ class InfrastructureRetry(dramatiq.Retry):
         self.cause = cause
 
 
+class CopyInFlight(InfrastructureRetry):
+    """An inbox message given back because another transaction holds the claim of a copy
+    of its event (:class:`pipeline.db.stores.inbox.ClaimHeld`): a duplicate delivery still
+    being handled. Retried like an outage, but neither counted nor logged as one: tried
+    again, it finds the other copy's outcome (a duplicate, or a claim to take over)."""
+
+
 def failure_of(exception: BaseException | None) -> BaseException | None:
     """The exception that failed a message (the outage behind an :class:`InfrastructureRetry`)."""
     return exception.cause if isinstance(exception, InfrastructureRetry) else exception
@@ -138,12 +146,13 @@ def retry_outages(function: Any, *args: Any, **kwargs: Any) -> None:
         function(*args, **kwargs)
     except Exception as exc:
         message = _current.message
-        if not is_outage(exc) or message is None:
+        held = isinstance(exc, ClaimHeld)
+        if not (held or is_outage(exc)) or message is None:
             raise
         log.debug("message failed outside its handlers", exc_info=True)
         _current.quiet_retry = message.message_id
         delay = infrastructure_delay_ms(message.options.get("retries", 0))
-        raise InfrastructureRetry(exc, delay) from exc
+        raise (CopyInFlight if held else InfrastructureRetry)(exc, delay) from exc
 
 
 class QuietRetries(logging.Filter):
@@ -183,6 +192,16 @@ class CountInfrastructureRetries(Middleware):
         if exception is None or not message.actor_name.startswith(ACTOR_PREFIX):
             return
         consumer = message.actor_name.removeprefix(ACTOR_PREFIX)
+        if isinstance(exception, CopyInFlight):
+            log.info(
+                "another copy of the message is being handled; it will be tried again",
+                extra={
+                    "consumer": consumer,
+                    "message_id": message.message_id,
+                    "retry_in": round((exception.delay or 0) / 1000, 3),
+                },
+            )
+            return
         failure = failure_of(exception)
         error_class = type(failure).__name__
         metrics.inbox_infrastructure_retries.labels(consumer, error_class).inc()

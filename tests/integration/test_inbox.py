@@ -465,12 +465,13 @@ def test_a_claim_held_by_another_open_transaction_gives_the_message_back(
     engine, inbox_settings, events, held
 ):
     """A stuck worker's open claim must not hold another worker's thread for the whole
-    lock timeout (here 60 s): the claim waits briefly, then fails as an outage (Dramatiq
+    lock timeout (here 60 s): the claim waits briefly, then fails as ClaimHeld (Dramatiq
     retries the message later). The holder commits 3 s later; a claim that waited the
     usual timeout would have seen that outcome and reported a duplicate instead."""
     import threading
 
     from pipeline.db.connect import make_engine
+    from pipeline.db.stores.inbox import ClaimHeld
     from pipeline.inbox.consumer import consumer
 
     patient = inbox_settings.replace(lock_timeout_ms=60_000)
@@ -498,9 +499,8 @@ def test_a_claim_held_by_another_open_transaction_gives_the_message_back(
     finally:
         release.join()
         holder.close()
-    assert isinstance(getattr(raised.value, "orig", None), psycopg.errors.LockNotAvailable), repr(
-        raised.value
-    )
+    assert isinstance(raised.value, ClaimHeld), repr(raised.value)
+    assert isinstance(raised.value.__cause__.orig, psycopg.errors.LockNotAvailable)
     assert handled == []  # the whole message was given back, its neighbours too
     # Given again once the holder has committed: the rest is handled, the held one is a
     # duplicate; and after a claim the transaction's lock waits are the usual ones.

@@ -15,6 +15,7 @@ import redis
 from dramatiq.brokers.stub import StubBroker
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
+from pipeline.db.stores.inbox import ClaimHeld
 from pipeline.driver_errors import is_outage
 from pipeline.inbox.actors import (
     INFRASTRUCTURE_MAX_BACKOFF_MS,
@@ -50,7 +51,9 @@ def test_the_wait_doubles_from_the_minimum_and_is_capped() -> None:
     assert infrastructure_delay_ms(40) <= INFRASTRUCTURE_MAX_BACKOFF_MS
 
 
-def run_actor(caplog: pytest.LogCaptureFixture, failure: BaseException) -> list[int]:
+def run_actor(
+    caplog: pytest.LogCaptureFixture, failure: BaseException, name: str = "unit"
+) -> list[int]:
     """An inbox actor that fails once with ``failure``, then succeeds; its calls."""
     broker = StubBroker()
     broker.add_middleware(CountInfrastructureRetries())
@@ -68,7 +71,7 @@ def run_actor(caplog: pytest.LogCaptureFixture, failure: BaseException) -> list[
     actor = dramatiq.Actor(
         run,
         broker=broker,
-        actor_name="pipeline_inbox_unit",
+        actor_name=f"pipeline_inbox_{name}",
         queue_name="pipeline.unit",
         priority=0,
         options={"min_backoff": 10, "max_backoff": 20},
@@ -109,3 +112,31 @@ def test_a_bug_keeps_dramatiq_error_line_with_its_traceback(caplog) -> None:
     assert len(errors) == 1 and errors[0].exc_info is not None
     warnings = [r for r in caplog.records if "failed outside its handlers" in r.getMessage()]
     assert len(warnings) == 1 and warnings[0].__dict__["error_class"] == "ZeroDivisionError"
+
+
+def test_a_copy_in_flight_is_retried_quietly_and_not_counted_as_an_outage(caplog) -> None:
+    """A duplicate delivery that meets its twin's open claim is no infrastructure trouble:
+    retried, one INFO line, no warning, and the infrastructure-retry counter stays put."""
+    from pipeline.observability import metrics
+
+    held = ClaimHeld("held")
+    held.__cause__ = OperationalError("INSERT", {}, psycopg.errors.LockNotAvailable("lock"))
+    before = {
+        tuple(s.labels.values()): s.value
+        for family in metrics.inbox_infrastructure_retries.collect()
+        for s in family.samples
+    }
+    calls = run_actor(caplog, held, name="held")
+    assert len(calls) == 2  # given back, then handled
+    after = {
+        tuple(s.labels.values()): s.value
+        for family in metrics.inbox_infrastructure_retries.collect()
+        for s in family.samples
+    }
+    assert {k: v for k, v in after.items() if k[0] == "held"} == {
+        k: v for k, v in before.items() if k[0] == "held"
+    }
+    lines = [r for r in caplog.records if "another copy of the message" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    assert lines[0].__dict__["consumer"] == "held" and 0 < lines[0].__dict__["retry_in"] <= 0.1
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

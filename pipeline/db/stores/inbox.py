@@ -14,6 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import psycopg
+from sqlalchemy.exc import OperationalError
+
 from pipeline.db.queries import queries_for
 from pipeline.envelope import ReceivedEvent
 
@@ -27,6 +30,25 @@ before it fails with ``lock_not_available``: the message is then given back and 
 again later, so a worker that stopped with claims open ties up no other worker's threads
 for the whole ``PIPELINE_LOCK_TIMEOUT_MS``. The ledger sweep waits as briefly
 (:data:`pipeline.db.stores.ledger.ACCOUNT_LOCK_WAIT_MS`)."""
+
+
+class ClaimHeld(Exception):
+    """A claim waited :data:`CLAIM_LOCK_WAIT_MS` on a copy of its event that another open
+    transaction has claimed: a duplicate delivery still being handled (or a stuck worker's
+    claim), not a server out of reach. The message is given back and tried again later,
+    when the other copy's outcome is known; it is not counted as an infrastructure retry."""
+
+    def __init__(self, consumer: str) -> None:
+        super().__init__(
+            f"another transaction of consumer {consumer!r} holds a claim of the same event"
+        )
+        self.consumer = consumer
+
+
+def _wait_ran_out(exc: OperationalError) -> bool:
+    """Whether a claim failed because its lock wait ran out (the claim statement lowers
+    ``lock_timeout`` to its own wait, so no other lock wait ends this way)."""
+    return isinstance(exc.orig, psycopg.errors.LockNotAvailable)
 
 
 @dataclass(frozen=True)
@@ -89,31 +111,41 @@ class InboxStore:
     def claim(self, connection: Connection, consumer: str, event: ReceivedEvent) -> int | None:
         """Claim (consumer, event): the attempt number, or None when already done.
 
-        Raises :class:`psycopg.errors.LockNotAvailable` (wrapped by SQLAlchemy) when another
-        transaction has held the claim for :data:`CLAIM_LOCK_WAIT_MS`: an outage to the
-        caller, which gives the message back."""
-        row = connection.exec_driver_sql(self._claim, self._key(consumer, event)).one()
+        Raises :class:`ClaimHeld` when another transaction has held the claim for
+        :data:`CLAIM_LOCK_WAIT_MS`: the caller gives the message back."""
+        try:
+            row = connection.exec_driver_sql(self._claim, self._key(consumer, event)).one()
+        except OperationalError as exc:
+            if _wait_ran_out(exc):
+                raise ClaimHeld(consumer) from exc
+            raise
         return None if row[0] is None else int(row[0])
 
     def claim_many(
         self, connection: Connection, consumer: str, events: Sequence[ReceivedEvent]
     ) -> dict[uuid.UUID, int]:
-        """Claim every event in one statement: attempt numbers of those not yet done."""
+        """Claim every event in one statement: attempt numbers of those not yet done
+        (:class:`ClaimHeld` as :meth:`claim`)."""
         if len(events) == 1:  # scalar parameters: binding one-element arrays costs more
             (event,) = events
             attempt = self.claim(connection, consumer, event)
             return {} if attempt is None else {event.id: attempt}
-        event_ids, attempts, _ = connection.exec_driver_sql(
-            self._claim_many,
-            {
-                "consumer": consumer,
-                "event_ids": [event.id for event in events],
-                "event_types": [event.type for event in events],
-                "ordering_keys": [event.ordering_key for event in events],
-                "seqs": [event.seq for event in events],
-                "claim_wait_ms": CLAIM_LOCK_WAIT_MS,
-            },
-        ).one()
+        try:
+            event_ids, attempts, _ = connection.exec_driver_sql(
+                self._claim_many,
+                {
+                    "consumer": consumer,
+                    "event_ids": [event.id for event in events],
+                    "event_types": [event.type for event in events],
+                    "ordering_keys": [event.ordering_key for event in events],
+                    "seqs": [event.seq for event in events],
+                    "claim_wait_ms": CLAIM_LOCK_WAIT_MS,
+                },
+            ).one()
+        except OperationalError as exc:
+            if _wait_ran_out(exc):
+                raise ClaimHeld(consumer) from exc
+            raise
         return {
             event_id: int(attempt)
             for event_id, attempt in zip(event_ids, attempts, strict=True)
