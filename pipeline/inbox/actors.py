@@ -9,7 +9,9 @@
 Handler exceptions never reach Dramatiq (the processor retries them with its own
 bookkeeping); what does reach it is an infrastructure failure (database or broker
 down, the connection killed), which Dramatiq's Retries middleware re-delivers with
-capped exponential backoff — counted and logged here, and made harmless by the inbox.
+capped exponential backoff — counted and logged here, and made harmless by the inbox. A
+copy of an event whose claim another transaction still holds (a duplicate delivery being
+handled) is given back the same way, as :class:`CopyInFlight`: one INFO line, not counted.
 Should the broker lose even that retry, the relay's ledger sweep delivers the event again.
 
 An expected outage (:func:`pipeline.driver_errors.is_outage`: Postgres refusing or
@@ -141,7 +143,8 @@ def infrastructure_delay_ms(retries: int) -> int:
 
 
 def retry_outages(function: Any, *args: Any, **kwargs: Any) -> None:
-    """Run the actor's work; an expected outage leaves as :class:`InfrastructureRetry`."""
+    """Run the actor's work; an expected outage leaves as :class:`InfrastructureRetry`, a
+    claim held by another copy's transaction as :class:`CopyInFlight`."""
     try:
         function(*args, **kwargs)
     except Exception as exc:
@@ -179,7 +182,8 @@ def quiet_dramatiq_retries() -> None:
 
 class CountInfrastructureRetries(Middleware):
     """One metric increment and one log line per inbox message that failed outside its
-    handlers (Dramatiq's Retries middleware sends it again)."""
+    handlers (Dramatiq's Retries middleware sends it again); a :class:`CopyInFlight` is
+    one INFO line and no increment."""
 
     def before_process_message(self, broker: Any, message: Any) -> None:
         _current.message = message
@@ -197,7 +201,9 @@ class CountInfrastructureRetries(Middleware):
                 "another copy of the message is being handled; it will be tried again",
                 extra={
                     "consumer": consumer,
+                    "actor": message.actor_name,
                     "message_id": message.message_id,
+                    "retries": message.options.get("retries", 0),
                     "retry_in": round((exception.delay or 0) / 1000, 3),
                 },
             )

@@ -515,6 +515,29 @@ def test_a_claim_held_by_another_open_transaction_gives_the_message_back(
     patient_engine.dispose()
 
 
+def test_a_claim_waiting_on_the_table_lock_stays_an_outage(engine, inbox_settings):
+    """Only a wait on a copy's claimed row is ClaimHeld: a claim that times out on the
+    inbox table's own lock (a migration, LOCK TABLE) is an outage, counted as one."""
+    from sqlalchemy.exc import OperationalError
+
+    from pipeline.db.connect import make_engine
+    from pipeline.db.stores.inbox import ClaimHeld, InboxStore
+
+    brief = make_engine(inbox_settings.replace(lock_timeout_ms=200))
+    holder = engine.connect()
+    holder.execute(text("LOCK TABLE pipeline.inbox IN ACCESS EXCLUSIVE MODE"))
+    try:
+        with brief.connect() as conn, conn.begin():
+            with pytest.raises(OperationalError) as raised:
+                InboxStore("pipeline").claim(conn, "locked", _received(1))
+    finally:
+        holder.rollback()
+        holder.close()
+        brief.dispose()
+    assert not isinstance(raised.value, ClaimHeld)
+    assert isinstance(raised.value.orig, psycopg.errors.LockNotAvailable)
+
+
 def test_a_failing_handler_in_a_batch_keeps_its_neighbours_and_runs_once(engine, inbox_settings):
     from pipeline.inbox.consumer import consumer
     from pipeline.observability import metrics

@@ -46,9 +46,13 @@ class ClaimHeld(Exception):
 
 
 def _wait_ran_out(exc: OperationalError) -> bool:
-    """Whether a claim failed because its lock wait ran out (the claim statement lowers
-    ``lock_timeout`` to its own wait, so no other lock wait ends this way)."""
-    return isinstance(exc.orig, psycopg.errors.LockNotAvailable)
+    """Whether a claim failed because its wait on a row (a copy's claim) ran out. A wait on
+    the table's lock (a migration, ``LOCK TABLE``) ends the same way, with the usual
+    ``lock_timeout`` and no tuple named in the error's context: that one stays an outage."""
+    orig = exc.orig
+    if not isinstance(orig, psycopg.errors.LockNotAvailable):
+        return False
+    return "tuple" in (orig.diag.context or "")
 
 
 @dataclass(frozen=True)
