@@ -45,6 +45,18 @@ class ClaimHeld(Exception):
         self.consumer = consumer
 
 
+def _claim_row(
+    connection: Connection, statement: str, parameters: dict[str, Any], consumer: str
+) -> Any:
+    """The one row of a claim statement; :class:`ClaimHeld` when its wait ran out."""
+    try:
+        return connection.exec_driver_sql(statement, parameters).one()
+    except OperationalError as exc:
+        if _wait_ran_out(exc):
+            raise ClaimHeld(consumer) from exc
+        raise
+
+
 def _wait_ran_out(exc: OperationalError) -> bool:
     """Whether a claim failed because its wait on a row (a copy's claim) ran out. A wait on
     the table's lock (a migration, ``LOCK TABLE``) ends the same way, with the usual
@@ -117,12 +129,7 @@ class InboxStore:
 
         Raises :class:`ClaimHeld` when another transaction has held the claim for
         :data:`CLAIM_LOCK_WAIT_MS`: the caller gives the message back."""
-        try:
-            row = connection.exec_driver_sql(self._claim, self._key(consumer, event)).one()
-        except OperationalError as exc:
-            if _wait_ran_out(exc):
-                raise ClaimHeld(consumer) from exc
-            raise
+        row = _claim_row(connection, self._claim, self._key(consumer, event), consumer)
         return None if row[0] is None else int(row[0])
 
     def claim_many(
@@ -134,22 +141,15 @@ class InboxStore:
             (event,) = events
             attempt = self.claim(connection, consumer, event)
             return {} if attempt is None else {event.id: attempt}
-        try:
-            event_ids, attempts, _ = connection.exec_driver_sql(
-                self._claim_many,
-                {
-                    "consumer": consumer,
-                    "event_ids": [event.id for event in events],
-                    "event_types": [event.type for event in events],
-                    "ordering_keys": [event.ordering_key for event in events],
-                    "seqs": [event.seq for event in events],
-                    "claim_wait_ms": CLAIM_LOCK_WAIT_MS,
-                },
-            ).one()
-        except OperationalError as exc:
-            if _wait_ran_out(exc):
-                raise ClaimHeld(consumer) from exc
-            raise
+        parameters = {
+            "consumer": consumer,
+            "event_ids": [event.id for event in events],
+            "event_types": [event.type for event in events],
+            "ordering_keys": [event.ordering_key for event in events],
+            "seqs": [event.seq for event in events],
+            "claim_wait_ms": CLAIM_LOCK_WAIT_MS,
+        }
+        event_ids, attempts, _ = _claim_row(connection, self._claim_many, parameters, consumer)
         return {
             event_id: int(attempt)
             for event_id, attempt in zip(event_ids, attempts, strict=True)
