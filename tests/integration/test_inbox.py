@@ -187,6 +187,48 @@ def test_worker_killed_mid_handler_processes_the_event_once(engine, inbox_settin
     assert scalar(engine, "SELECT status FROM pipeline.inbox") == "processed"
 
 
+def test_a_duplicate_meeting_its_twins_open_claim_in_a_worker_process_is_no_outage(
+    engine, inbox_settings, tmp_path
+):
+    """Two copies of one message in a real worker: while the first copy's handler holds its
+    claim open (waiting on a lock the test holds), the second copy's claim gives it back.
+    That is one INFO line per try and no infrastructure retry; once the first commits, the
+    second is a duplicate and the effect happens once."""
+    blocker = psycopg.connect(inbox_settings.require_database_url())
+    blocker.execute("SELECT pg_advisory_lock(42)")  # the slow handler will wait on it
+    produce(engine, [NewEvent("entry.booked", {"order_id": "twin", "slow": 0.01})])
+    publish_repeated(inbox_settings, times=2)
+    metrics_dir = tmp_path / "metrics"
+    metrics_dir.mkdir()
+    log = tmp_path / "worker.log"
+    worker = start_worker(inbox_settings, APP, log, 1, 2, PROMETHEUS_MULTIPROC_DIR=str(metrics_dir))
+    given_back = "another copy of the message is being handled"
+    outage = "failed outside its handlers"
+
+    def counted(name: str) -> float:
+        return multiprocess_metric(metrics_dir, name, consumer="ledger")
+
+    try:
+        # the second copy's claim gave up on the first's open one: logged either way
+        wait_until(
+            lambda: log.exists() and any(line in log.read_text() for line in (given_back, outage)),
+            timeout=60,
+        )
+        blocker.execute("SELECT pg_advisory_unlock(42)")
+        blocker.commit()
+        wait_until(lambda: counted("pipeline_inbox_duplicates_total") == 1, timeout=60)
+    finally:
+        stop_process(worker)
+        blocker.close()
+    assert stage_counts(engine, "ledger") == Counter({"twin": 1})
+    assert counted("pipeline_inbox_processed_total") == 1
+    assert counted("pipeline_inbox_infrastructure_retries_total") == 0
+    text_logged = log.read_text()
+    assert given_back in text_logged
+    assert outage not in text_logged
+    assert "Traceback" not in text_logged
+
+
 @pytest.mark.soak
 def test_three_stage_workflow_with_random_failures_runs_each_stage_once(
     engine, inbox_settings, monkeypatch
