@@ -14,6 +14,10 @@ INSERT INTO {schema}.delivery_sweep AS s (id) VALUES (true)
 ON CONFLICT (id) DO UPDATE SET id = s.id
 RETURNING s.swept_to, clock_timestamp() - make_interval(secs => %(horizon)s);
 
+-- name: ledger_clock
+-- The database's clock: when a relay noticed the broker's loss, on the ledger's own clock.
+SELECT clock_timestamp();
+
 -- name: ledger_account
 -- Sent events that reached the horizon without any outcome for one of their consumers
 -- (no inbox row at all: the copy never arrived, or Redis forgot it) get a 'pending' inbox

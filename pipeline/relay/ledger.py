@@ -28,12 +28,14 @@ The inbox absorbs any copy that was not needed after all. One relay sweeps at a 
 
 When the transport says it lost what it held (:meth:`Publisher.forgot`: a Redis that
 restarted empty), the next sweep does not wait for the horizon: every unfinished delivery
-handed over before the sweep is owed at once (a worker that holds one still skips it).
-The queues are not consulted then: a message waiting on them may have been carried over
-from a worker's memory (an ordered event deferred, or a retry, before the loss), with a
-timestamp from before the loss, and would hold back deliveries the broker forgot until the
-horizon. What was sent between the loss and the sweep is sent a second time; a copy too
-many is absorbed by the inbox, where one too few would wait for the horizon.
+handed over before the loss was noticed is owed at once (a worker that holds one still
+skips it). What was handed over after the notice went to the broker that holds it, even
+when the sweep comes later (another relay held the sweep): not owed. The queues are not
+consulted then: a message waiting on them may have been carried over from a worker's
+memory (an ordered event deferred, or a retry, before the loss), with a timestamp from
+before the loss, and would hold back deliveries the broker forgot until the horizon. What
+was sent between the loss and its notice is sent a second time; a copy too many is
+absorbed by the inbox, where one too few would wait for the horizon.
 """
 
 from __future__ import annotations
@@ -94,12 +96,17 @@ class DeliveryLedger:
         self.publisher = publisher
         self.store = LedgerStore(settings.schema_name)
 
-    def sweep(self, conn: psycopg.Connection[Any], *, forgotten: bool = False) -> SweepResult:
+    def sweep(
+        self, conn: psycopg.Connection[Any], *, forgotten_at: datetime | None = None
+    ) -> SweepResult:
         """One sweep in one transaction; raises if Postgres or the broker fails (nothing lost).
 
-        ``forgotten``: the transport lost its messages, so what is owed is owed now, not
-        after the horizon.
+        ``forgotten_at``: when the transport was found to have lost its messages (database
+        time). What was handed over before then is owed now, not after the horizon; what
+        was handed over since went to the broker that holds it (a sweep that another relay's
+        held up comes later, and must not send those again).
         """
+        forgotten = forgotten_at is not None
         result = SweepResult()
         with conn.transaction():
             if not self.store.lock(conn):
@@ -107,6 +114,8 @@ class DeliveryLedger:
                 return result
             horizon = 0.0 if forgotten else redelivery_horizon(self.settings)
             swept_to, until = self.store.window(conn, horizon)
+            if forgotten_at is not None:
+                until = min(until, forgotten_at)
             if until > swept_to:
                 result.accounted, held = self.store.account(conn, swept_to - SWEEP_OVERLAP, until)
                 # Held up by a worker's open claim: the next sweep looks from there again.

@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, Literal
 
 import psycopg
@@ -198,7 +199,9 @@ class Relay:
         self._next_canary = 0.0  # the first canary goes out at start-up
         self.ledger = DeliveryLedger(settings, registry, publisher)
         self._next_sweep = 0.0
-        self._forgotten = False  # the broker lost its messages; the next sweep ignores the horizon
+        # When this relay noticed that the broker lost its messages (database time); the
+        # next sweep it runs owes what was handed over before then, ignoring the horizon.
+        self._forgotten_at: datetime | None = None
         self._backoff = Backoff(FIRST_RETRY, settings.reconnect_backoff_max)
         self.janitor = Janitor(settings, registry, self.stop)  # prunes on its own thread
         self.backlog = BacklogMonitor(settings)
@@ -325,8 +328,9 @@ class Relay:
         error is logged and the sweep tried again next interval, never stopping publishing.
         """
         self._next_sweep = time.monotonic() + self.settings.reconcile_interval_seconds
+        noticed = self.ledger.store.clock(conn)  # before the marker is set again
         if self.publisher.forgot():
-            self._forgotten = True
+            self._forgotten_at = noticed
             if self.cycles:
                 metrics.broker_memory_lost.inc()
                 log.warning(
@@ -340,9 +344,9 @@ class Relay:
                     extra={"relay_id": self.relay_id},
                 )
         try:
-            result = self.ledger.sweep(conn, forgotten=self._forgotten)
+            result = self.ledger.sweep(conn, forgotten_at=self._forgotten_at)
             if not result.skipped:
-                self._forgotten = False  # another relay's sweep would not have known
+                self._forgotten_at = None  # another relay's sweep would not have known
         except psycopg.OperationalError:
             raise
         except psycopg.Error as exc:

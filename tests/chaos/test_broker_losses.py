@@ -119,6 +119,49 @@ def test_a_redis_that_restarts_empty_is_noticed_and_owed_deliveries_are_sent_at_
     assert (tmp_path / "relay.log").read_text().count("the broker lost its messages") == 1
 
 
+def test_a_loss_noticed_while_another_relay_sweeps_owes_only_what_came_before_it(
+    engine, chaos_settings, tmp_path
+):
+    """A relay finds the broker's memory marker missing (a Redis no relay has used yet
+    looks the same as one that lost everything) while another relay holds the sweep, so
+    its own sweep comes later. What it handed over in between went to the Redis that holds
+    it: nothing is sent again. (Two relays starting together under load once sent a
+    thousand deliveries twice this way.)"""
+    orders = [f"held-{i}" for i in range(50)]
+    sweeps = "SELECT sweeps FROM pipeline.delivery_sweep"
+    with EmbeddedRedis(tmp_path / "redis") as redis_server:
+        settings = chaos_settings.replace(
+            redis_url=redis_server.url, redelivery_horizon_seconds=600.0
+        )
+        log = tmp_path / "relay.log"
+        relay = workers = None
+        try:
+            with engine.connect() as other_relay:  # its sweep holds the ledger's lock
+                held = other_relay.execute(
+                    text("SELECT pg_try_advisory_xact_lock(hashtext('pipeline.ledger.' || :s))"),
+                    {"s": settings.schema_name},
+                ).scalar()
+                assert held
+                relay = start_relay(settings, APP, log)
+                wait_until(
+                    lambda: "no memory marker yet" in log.read_text(), timeout=60, alive=[relay]
+                )
+                place_orders(engine, orders)
+                wait_all_sent(engine, len(orders), [relay])
+                swept = scalar(engine, sweeps)
+                other_relay.rollback()  # its sweep ends
+            wait_until(lambda: scalar(engine, sweeps) > swept, timeout=60, alive=[relay])
+            workers = start_worker(settings, APP, tmp_path / "worker.log", 1, 4)
+            wait_all_notified(engine, orders, [relay, workers])
+        finally:
+            for process in (workers, relay):
+                if process is not None:
+                    stop_process(process)
+    assert_each_stage_once(engine, orders)
+    assert scalar(engine, "SELECT coalesce(sum(redeliveries), 0) FROM pipeline.inbox") == 0
+    assert "delivered events again" not in log.read_text()
+
+
 def seq_log(engine) -> dict[str, list[int]]:
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT ordering_key, n FROM seq_log ORDER BY id")).all()

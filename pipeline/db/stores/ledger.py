@@ -73,6 +73,13 @@ class LedgerStore:
         row = conn.execute(self._queries["ledger_lock"], {"schema_name": self.schema}).fetchone()
         return bool(row and row[0])
 
+    def clock(self, conn: psycopg.Connection[Any]) -> datetime:
+        """The database's time now: the clock publication times are written on."""
+        row = conn.execute(self._queries["ledger_clock"]).fetchone()
+        assert row is not None
+        moment: datetime = row[0]
+        return moment
+
     def window(self, conn: psycopg.Connection[Any], horizon: float) -> tuple[datetime, datetime]:
         """Where the last sweep's accounting ended, and where this one's ends (now - horizon)."""
         row = conn.execute(self._queries["ledger_window"], {"horizon": horizon}).fetchone()
