@@ -213,6 +213,7 @@ print(json.dumps({
     str(pg.socket_dir)], "watchdogs": [pg.watchdog_pid, rd.watchdog_pid],
 }), flush=True)
 if sys.argv[1] == "exit":
+    sys.stdin.readline()  # the test has looked at what runs: go
     sys.exit(0)  # no cleanup(): the watchdogs see their owner go
 time.sleep(600)
 """
@@ -260,7 +261,10 @@ def _gone_within(pids: set[int], dirs: list[Path], seconds: float) -> tuple[set[
 @pytest.mark.parametrize("ending", ["sigkill", "exit"])
 def test_servers_die_with_their_owner_however_it_ends(ending: str) -> None:
     owner = subprocess.Popen(
-        [sys.executable, "-c", OWNER_SCRIPT, ending], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", OWNER_SCRIPT, ending],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert owner.stdout is not None
@@ -271,6 +275,10 @@ def test_servers_die_with_their_owner_however_it_ends(ending: str) -> None:
         assert all(path.exists() for path in dirs)
         if ending == "sigkill":
             owner.kill()  # no cleanup can run in the owner
+        else:
+            assert owner.stdin is not None
+            owner.stdin.write("\n")  # the owner exits on its own
+            owner.stdin.flush()
         owner.wait(timeout=60)
         left, kept = _gone_within(servers | set(started["watchdogs"]), dirs, 30)
     finally:
