@@ -32,10 +32,11 @@ def test_across_hosts_every_network_fault_keeps_every_guarantee():
     if problem is not None:
         pytest.skip(problem)
     kinds = NETWORK_KINDS
+    fleet = () if SOAK else ("--workers", "1")  # as the shortened drill: one worker group
     result, report = drill(
         "--hosts", "--events", "300", "--rate", "10", "--faults", str(len(kinds)),
         "--fault-kinds", ",".join(kinds), "--network-seconds", "3",
-        "--seed", "280", "--recovery-timeout", "90",
+        "--seed", "280", "--recovery-timeout", "90", *fleet,
     )  # fmt: skip
 
     assert_every_kind_injected(report, kinds)

@@ -6,6 +6,7 @@ these tests fail in CI and skip on a developer's machine.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from typing import Any
@@ -55,7 +56,9 @@ REQUIRED = {
 
 
 def run(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, check=False, cwd=ROOT)
+    # GOGC=400: promtool's rule tests spend a fifth of their CPU collecting garbage otherwise
+    env = {**os.environ, "GOGC": "400"}
+    return subprocess.run(argv, capture_output=True, text=True, check=False, cwd=ROOT, env=env)
 
 
 def test_promtool_check_rules_with_every_lint_fatal():
