@@ -79,6 +79,21 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Compile the package and the test apps once where the environment forbids writing
+    bytecode (``PYTHONDONTWRITEBYTECODE``, ``-B``): an editable install leaves them
+    uncompiled, so each of the hundreds of relay, worker and CLI processes the tests start
+    would compile them from source again (a tenth of a second of CPU each). The bytecode
+    goes where Python puts it, ``__pycache__`` (ignored by git)."""
+    if hasattr(config, "workerinput") or not sys.flags.dont_write_bytecode:
+        return  # an xdist worker (its controller compiled), or Python writes it as it goes
+    import compileall
+
+    root = Path(__file__).resolve().parent.parent
+    for directory in (root / "pipeline", root / "tests" / "apps"):
+        compileall.compile_dir(directory, quiet=1)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark each test with the tier its directory names (tests/<tier>/...); longest first."""
     root = Path(__file__).parent
