@@ -10,13 +10,18 @@ where it is not enabled.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import re
 import threading
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Iterator
 from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import quote
 
 import pika
 import pika.exceptions
@@ -31,7 +36,8 @@ from pipeline.registry import Registry
 from pipeline.runtime import build_runtime
 from pipeline.transport.amqp.broker import dead_queue_arguments, physical_name, queue_arguments
 from pipeline.transport.amqp.management import Management
-from pipeline.transport.base import delay_queue_name
+from pipeline.transport.amqp.transport import AmqpTransport
+from pipeline.transport.base import QueueDepth, delay_queue_name
 from pipeline.transport.factory import open_transport
 from pipeline.transport.publisher import Delivery
 from tests.integration.conftest import drainer_for
@@ -52,6 +58,7 @@ from tests.support import (
 )
 
 APP = "tests.apps.inbox_app"
+PROCESSED = "SELECT count(*) FROM pipeline.inbox WHERE status = 'processed'"
 
 
 @pytest.fixture
@@ -293,6 +300,94 @@ def test_retries_and_delays_go_through_quorum_delay_queues(amqp_engine, fast_set
     assert isinstance(retried, int) and retried > 0, "the failure injection never fired"
     assert scalar(amqp_engine, "SELECT count(*) FROM pipeline.dead_letters") == 0
     assert_quorum(fast_settings, delay_queue_name("pipeline.ledger"))
+
+
+def management_call(client: Management, method: str, path: str, body: object = None) -> Any:
+    """One call of the management API, as an operator's tool would make it."""
+    request = urllib.request.Request(
+        client.base + path,
+        method=method,
+        data=None if body is None else json.dumps(body).encode(),
+        headers={"Authorization": client.auth, "Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        answer = response.read()
+    return json.loads(answer) if answer else None
+
+
+def test_a_parked_retry_that_cannot_be_published_again_is_kept_and_tried_again(
+    amqp_settings, caplog
+):
+    """A retry due later than the worker may hold a delivery is parked, then published to
+    the delay queue again, on the consumer thread's publishing connection. While RabbitMQ
+    refuses that connection (closed, and the virtual host at its connection limit), the
+    worker keeps the retry and tries again every second; once it connects, the retry runs
+    once, on time. (Given up after one failure, the delivery would wait unacknowledged for
+    its channel to close, which a healthy consumer's never does.)"""
+    from tests.apps.long_backoff_app import RETRY_BACKOFF  # not at collection: conftest.py
+
+    if os.environ.get("PIPELINE_TEST_AMQP_URL"):
+        pytest.skip("limits the virtual host's connections: only on a node of the tests' own")
+    client = management(amqp_settings)  # skips without the management API
+    # held at most 7 s: the 8 s retry is parked, and published again 7 s after it came
+    settings = amqp_settings.replace(
+        broker_consumer_timeout_ms=14_000, lease_seconds=3.0, poll_interval_max=0.5
+    )
+    configure(settings)
+    caplog.set_level(logging.INFO)
+    vhost = quote(client.vhost, safe="")
+    limit = f"/api/vhost-limits/{vhost}/max-connections"
+    queues = {
+        physical_name(settings.redis_namespace, q)
+        for q in ("pipeline.patient", "pipeline.patient.DQ")
+    }
+
+    def said(text: str) -> bool:
+        return any(text in r.getMessage() for r in caplog.records)
+
+    def consuming() -> set[str]:
+        """The connections consuming this test's queues (one per consumer thread)."""
+        listed = management_call(client, "GET", f"/api/consumers/{vhost}")
+        return {
+            c["channel_details"]["connection_name"] for c in listed if c["queue"]["name"] in queues
+        }
+
+    with (
+        engine_with_tables(settings, TABLES, pool_size=2) as engine,
+        running_pipeline(settings, "tests.apps.long_backoff_app", threads=2),
+    ):
+        consumers = wait_until(
+            lambda: (found := consuming()) and len(found) == 2 and found, timeout=60
+        )
+        produce(engine, [NewEvent("parcel.shipped", {"order_id": "p-1"}, aggregate_id="p-1")])
+        wait_until(lambda: said("handler failed; will retry"), timeout=60)
+        failed_at = time.monotonic()
+        listed = management_call(client, "GET", f"/api/vhosts/{vhost}/connections?columns=name")
+        others = [c["name"] for c in listed if c["name"] not in consumers]
+        management_call(client, "PUT", limit, {"value": len(listed) - len(others)})
+        try:
+            for name in others:  # the publishing connections, the retry's among them
+                management_call(client, "DELETE", f"/api/connections/{quote(name, safe='')}")
+            with pytest.raises(pika.exceptions.AMQPConnectionError):  # the limit holds
+                amqp_channel(settings)
+            wait_until(lambda: said("could not hold a delayed message"), timeout=30)
+            time.sleep(1.5)  # refused again at least once
+        finally:
+            management_call(client, "DELETE", limit)
+        wait_until(lambda: scalar(engine, PROCESSED) == 1, timeout=RETRY_BACKOFF + 30)
+        ran_after = time.monotonic() - failed_at
+        time.sleep(2)  # a stray copy would run meanwhile
+        transport = AmqpTransport(settings)
+        try:
+            depths = transport.queue_depths(["pipeline.patient"])
+        finally:
+            transport.close()
+    refusals = [r for r in caplog.records if "could not hold" in r.getMessage()]
+    assert len(refusals) >= 2, "refused once only: the test proves nothing"
+    assert ran_after >= RETRY_BACKOFF - 1  # not before it was due
+    assert scalar(engine, "SELECT count(*) FROM effects") == 1
+    assert scalar(engine, "SELECT count(*) FROM pipeline.dead_letters") == 0
+    assert depths == {"pipeline.patient": QueueDepth(0, 0, 0)}
 
 
 def test_an_actor_message_sent_with_a_delay_arrives_after_it(amqp_settings):

@@ -96,6 +96,10 @@ CONSUMER_TIMEOUT_REPLY = "delivery acknowledgement on channel"
 because one of its deliveries stayed unacknowledged past ``consumer_timeout``."""
 
 
+REPARK_RETRY_SECONDS = 1.0
+"""How soon a parked message whose publication to the delay queue failed is tried again."""
+
+
 class Parked(NamedTuple):
     """A delayed message due after the consumer may hold it: held until ``release``
     (monotonic seconds), then published to the delay queue again and acknowledged."""
@@ -269,20 +273,28 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
     def _release_parked(self) -> None:
         """Publish each parked message whose hold is up to the delay queue again (confirmed),
         then acknowledge its delivery. Deliveries arrive in order, so the parked are in
-        order of release. A publish that fails leaves the delivery unacknowledged:
-        RabbitMQ gives it back when the channel closes."""
+        order of release. A publish that fails keeps the message parked and tries again
+        :data:`REPARK_RETRY_SECONDS` later: its delivery stays unacknowledged meanwhile,
+        and if the server's ``consumer_timeout`` closes the channel first, RabbitMQ gives
+        it back. (Left unacknowledged and forgotten, it would wait for the channel to close,
+        which a healthy consumer's never does.)"""
         now = time.monotonic()
         while self.parked and self.parked[0].release <= now:
-            parked = self.parked.popleft()
+            parked = self.parked[0]
             try:
                 self.broker.republish_delayed(parked.message)
             except ConnectionClosed as exc:
                 log.warning(
-                    "could not hold a delayed message on the delay queue; RabbitMQ delivers "
-                    "it again",
-                    extra={"queue": self.logical_queue, "error_class": type(exc).__name__},
+                    "could not hold a delayed message on the delay queue; trying again",
+                    extra={
+                        "queue": self.logical_queue,
+                        "error_class": type(exc).__name__,
+                        "retry_in": REPARK_RETRY_SECONDS,
+                    },
                 )
-                continue
+                self.parked[0] = parked._replace(release=now + REPARK_RETRY_SECONDS)
+                return
+            self.parked.popleft()
             self.channel.basic_ack(parked.tag)
 
     def _forget_held_delays(self) -> None:
