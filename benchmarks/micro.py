@@ -59,7 +59,7 @@ from sqlalchemy.orm import Session
 from benchmarks import harness
 from pipeline.config import Settings
 from pipeline.db.migrate import upgrade
-from pipeline.db.queries import queries_for
+from pipeline.db.stores.outbox import OutboxStore
 from pipeline.envelope import OutboxEvent, encode_envelope
 from pipeline.outbox import BacklogGate
 from pipeline.signing import EnvelopeSigner, canonical_json, event_source
@@ -266,7 +266,7 @@ def gate_call_us(limit: int) -> float:
 
 
 def gate_count_ms(url: str, schema: str, unsent: int, limits: Sequence[int]) -> dict[str, float]:
-    query = queries_for(schema)["backlog_count"]
+    store = OutboxStore(schema)
     outbox = f'"{schema}".outbox'
     result = {}
     with psycopg.connect(url, autocommit=True) as conn:
@@ -281,7 +281,7 @@ def gate_count_ms(url: str, schema: str, unsent: int, limits: Sequence[int]) -> 
             times = []
             for _ in range(9):
                 started = time.perf_counter()
-                conn.execute(query, {"limit": limit + 1}).fetchone()
+                store.count_backlog(conn, limit + 1)
                 times.append(time.perf_counter() - started)
             result[str(limit)] = round(statistics.median(times) * 1000, 3)
         conn.execute(f"TRUNCATE {outbox}")
