@@ -102,11 +102,14 @@ REPARK_RETRY_SECONDS = 1.0
 
 class Parked(NamedTuple):
     """A delayed message due after the consumer may hold it: held until ``release``
-    (monotonic seconds), then published to the delay queue again and acknowledged."""
+    (monotonic seconds), then published to the delay queue again and acknowledged. Past
+    ``expires`` the server's ``consumer_timeout`` has closed the channel holding it (and
+    given it back), so it is no longer this consumer's to publish."""
 
     release: float
     tag: int
     message: Message[Any]
+    expires: float
 
 
 def is_consumer_timeout(exc: BaseException) -> bool:
@@ -267,32 +270,45 @@ class PipelineRabbitmqConsumer(_RabbitmqConsumer):
             return False
         if eta - current_millis() <= self.hold_limit_ms:
             return False
-        self.parked.append(Parked(time.monotonic() + self.hold_limit_ms / 1000, tag, message))
+        now, hold = time.monotonic(), self.hold_limit_ms / 1000
+        self.parked.append(Parked(now + hold, tag, message, now + 2 * hold))
+        log.debug(
+            "holding a delayed message due later than the hold limit",
+            extra={"queue": self.logical_queue, "hold_seconds": hold},
+        )
         return True
 
     def _release_parked(self) -> None:
         """Publish each parked message whose hold is up to the delay queue again (confirmed),
         then acknowledge its delivery. Deliveries arrive in order, so the parked are in
         order of release. A publish that fails keeps the message parked and tries again
-        :data:`REPARK_RETRY_SECONDS` later: its delivery stays unacknowledged meanwhile,
-        and if the server's ``consumer_timeout`` closes the channel first, RabbitMQ gives
-        it back. (Left unacknowledged and forgotten, it would wait for the channel to close,
-        which a healthy consumer's never does.)"""
-        now = time.monotonic()
-        while self.parked and self.parked[0].release <= now:
+        :data:`REPARK_RETRY_SECONDS` later, its delivery unacknowledged meanwhile, until the
+        server's ``consumer_timeout`` (twice the hold) would have closed the channel and
+        given the message back: then it is let go, as a channel that closed lets it go.
+        (Let go at the first failure, it waited for the channel to close: up to the whole
+        ``consumer_timeout``, 30 minutes by default, with its retry not run.)"""
+        while self.parked and self.parked[0].release <= time.monotonic():
             parked = self.parked[0]
             try:
                 self.broker.republish_delayed(parked.message)
             except ConnectionClosed as exc:
+                now = time.monotonic()  # the failed attempts may have taken a while
+                expired = now + REPARK_RETRY_SECONDS >= parked.expires
                 log.warning(
-                    "could not hold a delayed message on the delay queue; trying again",
+                    "could not hold a delayed message on the delay queue; "
+                    + ("RabbitMQ delivers it again" if expired else "trying again"),
                     extra={
                         "queue": self.logical_queue,
                         "error_class": type(exc).__name__,
-                        "retry_in": REPARK_RETRY_SECONDS,
+                        **({} if expired else {"retry_in": REPARK_RETRY_SECONDS}),
                     },
                 )
-                self.parked[0] = parked._replace(release=now + REPARK_RETRY_SECONDS)
+                if expired:
+                    self.parked.popleft()
+                else:
+                    self.parked[0] = Parked(
+                        now + REPARK_RETRY_SECONDS, parked.tag, parked.message, parked.expires
+                    )
                 return
             self.parked.popleft()
             self.channel.basic_ack(parked.tag)
