@@ -33,6 +33,19 @@ from tests.support import (
 )
 
 
+def sent_then_forgotten(engine, settings, redis_server: EmbeddedRedis, orders, log) -> None:
+    """``orders`` placed and handed to Redis by a relay (stopped then), and Redis restarted
+    empty: their deliveries exist only in the ledger."""
+    relay = start_relay(settings, APP, log)
+    try:
+        place_orders(engine, orders)
+        wait_all_sent(engine, len(orders), [relay])
+    finally:
+        stop_process(relay)
+    redis_server.kill()  # no persistence: every message is gone
+    redis_server.start()
+
+
 @pytest.mark.soak
 def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_settings, tmp_path):
     """Events sent to Redis, Redis restarted empty before any worker ran: `pipeline status`
@@ -41,14 +54,7 @@ def test_a_redis_that_forgets_delays_events_but_loses_none(engine, chaos_setting
     orders = [f"forget-{i}" for i in range(soak(100, 300))]
     with EmbeddedRedis(tmp_path / "redis") as redis_server:
         settings = chaos_settings.replace(redis_url=redis_server.url)
-        relay = start_relay(settings, APP, tmp_path / "relay.log")
-        try:
-            place_orders(engine, orders)
-            wait_all_sent(engine, len(orders), [relay])
-        finally:
-            stop_process(relay)
-        redis_server.kill()  # no persistence: every message is gone
-        redis_server.start()
+        sent_then_forgotten(engine, settings, redis_server, orders, tmp_path / "relay.log")
         time.sleep(settings.redelivery_horizon_seconds + 0.5)
         code, status = status_json(settings)
         assert code == 1 and not status["healthy"], status
@@ -134,14 +140,7 @@ def test_a_loss_noticed_while_another_relay_sweeps_owes_only_what_came_before_it
         settings = chaos_settings.replace(
             redis_url=redis_server.url, redelivery_horizon_seconds=600.0
         )
-        first = start_relay(settings, APP, tmp_path / "relay1.log")
-        try:
-            place_orders(engine, lost)
-            wait_all_sent(engine, len(lost), [first])
-        finally:
-            stop_process(first)
-        redis_server.kill()  # no persistence: every message is gone
-        redis_server.start()
+        sent_then_forgotten(engine, settings, redis_server, lost, tmp_path / "relay1.log")
         log = tmp_path / "relay2.log"
         relay = workers = None
         try:
