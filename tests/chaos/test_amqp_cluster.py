@@ -9,6 +9,7 @@ consumes. Afterwards every event took effect exactly once: none lost, none doubl
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 import uuid
@@ -19,6 +20,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from pipeline import NewEvent, Settings, configure
+from pipeline.tools.harness import server
 from pipeline.tools.harness.rabbitmq_cluster import RabbitCluster
 from pipeline.transport.amqp.broker import physical_name
 from pipeline.transport.amqp.management import Management
@@ -229,3 +231,30 @@ def test_a_worker_waits_through_a_broker_outage_one_line_per_step(
     assert waits, relay_text[-3000:]  # the events produced during the outage were owed
     assert all("RabbitMQ" in line and "next try in" in line for line in waits), waits
     assert "Traceback" not in relay_text, relay_text[-3000:]
+
+
+def test_a_node_whose_picked_port_was_taken_meanwhile_boots_on_other_ports(monkeypatch):
+    """A port picked free is taken by another process before the node binds it (a client's
+    outgoing connection on a busy machine took the distribution port once): the node exits
+    at once, and boots again on other ports."""
+    from pipeline.tools.harness import rabbitmq_cluster
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken = holder.getsockname()[1]
+    picks = [rabbitmq_cluster.free_port(), taken]  # the AMQP port, then the distribution port
+    monkeypatch.setattr(
+        rabbitmq_cluster,
+        "free_port",
+        lambda: picks.pop(0) if picks else server.free_port(),
+    )
+    try:
+        with rabbitmq_nodes(1) as value:
+            [node] = value.nodes
+            assert node.dist_port != taken
+            assert Management(node.url, node.management_url).nodes()[0]["running"]
+            first_boot = (node.directory / "node.1.log").read_text()
+            assert "dist_port_already_used" in first_boot
+    finally:
+        holder.close()

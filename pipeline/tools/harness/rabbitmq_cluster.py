@@ -42,7 +42,7 @@ from pathlib import Path
 
 from pipeline.errors import BinaryNotFoundError, ServerStartError, ServiceUnavailableError
 from pipeline.tools.harness.hosts import Host
-from pipeline.tools.harness.server import HOST, free_port
+from pipeline.tools.harness.server import HOST, PORT_ATTEMPTS, free_port
 from pipeline.tools.harness.watchdog import Watchdog
 from pipeline.transport.amqp.management import Management
 
@@ -159,11 +159,11 @@ class RabbitCluster:
         first, rest = self.nodes[0], self.nodes[1:]
         # Node 1 first: a node that boots while none it names answers starts on its own.
         self._spawn_new(first)
-        self.await_node(first, deadline)
+        self._await_new(first, deadline)
         for node in rest:
             self._spawn_new(node)
         for node in rest:
-            self.await_node(node, deadline)
+            self._await_new(node, deadline)
         self.await_members(deadline)
 
     def _start_epmd(self) -> None:
@@ -206,6 +206,27 @@ class RabbitCluster:
         )
         self._write_config(node)
         self._spawn(node)
+
+    def _await_new(self, node: RabbitNode, deadline: float) -> None:
+        """Wait for a node's first boot. A port picked free can be taken by another process
+        (a client's outgoing connection, on a busy machine) before the node binds it: the
+        node then exits at once, its log naming the port, and boots again on other ports."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                self.await_node(node, deadline)
+                return
+            except ServerStartError:
+                if node.running or attempt == PORT_ATTEMPTS or not self._port_clash(node):
+                    raise
+            # the failed boot's log kept beside, so the next boot's is read alone
+            (node.directory / "node.log").rename(node.directory / f"node.{attempt}.log")
+            self._spawn_new(node)
+
+    @staticmethod
+    def _port_clash(node: RabbitNode) -> bool:
+        path = node.directory / "node.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "already_used" in text or "eaddrinuse" in text
 
     def _write_config(self, node: RabbitNode) -> None:
         node.directory.mkdir(parents=True, exist_ok=True)
